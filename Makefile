@@ -1,0 +1,44 @@
+# The two set-up commands: `make demo` and `make test`. Both create .venv first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(CURDIR)/$(VENV)/bin
+STAMP := $(VENV)/.installed
+export PATH := $(BIN):$(PATH)
+export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: venv demo test lint pytest molecule test-gpu bench-gpu clean
+
+$(STAMP): requirements/dev.txt pyproject.toml requirements.yml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -r requirements/dev.txt
+	$(BIN)/python -m pip install -q --no-deps -e .
+	$(BIN)/ansible-galaxy collection install -r requirements.yml -p .collections
+	touch $@
+
+venv: $(STAMP)
+
+demo: venv
+	$(BIN)/ansible-playbook -i inventory/local.yml playbooks/gpu_reset.yml -e gpu_reset_report_dir=$(CURDIR)/output/demo/gpu_reset
+	@echo "report: output/demo/gpu_reset/localhost.json"
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/yamllint -s .
+	$(BIN)/ansible-lint
+
+pytest: venv
+	$(BIN)/pytest tests --ignore=tests/gpu
+
+molecule: venv
+	$(BIN)/molecule test --all
+
+test: lint pytest molecule
+
+# On a machine with an NVIDIA GPU: the python3 found there (no venv: it may reach no registry).
+test-gpu:
+	python3 -m pytest tests/gpu -v -s
+
+clean:
+	rm -rf $(VENV) .collections output .pytest_cache .ruff_cache

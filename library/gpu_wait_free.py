@@ -1,0 +1,160 @@
+#!/usr/bin/python
+# -*- coding: utf-8 -*-
+"""Ansible module gpu_wait_free: poll NVML until the selected GPUs hold no memory."""
+
+from __future__ import absolute_import, division, print_function
+
+__metaclass__ = type
+
+DOCUMENTATION = r"""
+---
+module: gpu_wait_free
+short_description: Wait, by polling NVML, until GPUs hold no memory and run no process
+description:
+  - Polls every O(poll_s) seconds until every selected GPU has at most O(max_used_mib) MiB
+    used (NVML's v2 memory call, which leaves out the driver's own reservation) and no
+    compute process, or O(timeout_s) passes.
+  - On timeout the message names each GPU still held, the MiB it holds and each holder (PID,
+    command line, and why it was left: protected, not matched, part of this run), or says
+    that no process holds it (driver state; see the gpu_reset role's gpu_reset_smi_reset).
+  - Never changes anything.
+options:
+  gpus:
+    description: V(all), or a list of GPU indices.
+    type: raw
+    default: all
+  max_used_mib:
+    description: Used MiB (v2) at or below which a GPU counts as free.
+    type: int
+    default: 0
+  timeout_s:
+    description: Seconds to wait before failing.
+    type: float
+    default: 60
+  poll_s:
+    description: Seconds between polls.
+    type: float
+    default: 0.1
+  match:
+    description: The match patterns the stop step used; only used to explain why a holder was left.
+    type: list
+    elements: str
+    default: []
+  protect:
+    description: The protect patterns the stop step used; only used to explain why a holder was left.
+    type: list
+    elements: str
+    default: []
+notes:
+  - Supports check mode; it changes nothing in either mode.
+requirements:
+  - nvidia-ml-py and an NVIDIA driver on the managed host.
+author:
+  - eagle3-pipeline developers
+"""
+
+EXAMPLES = r"""
+- name: Wait up to two minutes for all GPUs to be free
+  gpu_wait_free:
+    timeout_s: 120
+"""
+
+RETURN = r"""
+gpus:
+  description: The last poll, one entry per GPU.
+  returned: always
+  type: list
+  elements: dict
+  sample: [{index: 0, memory_used_mib: 0, memory_reserved_mib: 615, processes: [], free: true}]
+seconds:
+  description: Seconds spent waiting.
+  returned: always
+  type: float
+polls:
+  description: Number of polls made.
+  returned: always
+  type: int
+freed_at:
+  description: Epoch seconds when every GPU was seen free.
+  returned: on success
+  type: float
+held_without_process:
+  description: Indices of GPUs still holding memory with no process on them (driver state).
+  returned: always
+  type: list
+  elements: int
+"""
+
+import os
+import time
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.gpu_free import held_message, held_without_process, wait_free
+from ansible.module_utils.gpu_holders import ancestors, compile_patterns, read_proc, snapshot, why_not_selectable
+from ansible.module_utils.gpu_nvml import NvmlUnavailable, device_count, handles, load_nvml, select_indices
+
+
+def main():
+    """Map options to the wait; results and the failure message to JSON."""
+    module = AnsibleModule(
+        argument_spec=dict(
+            gpus=dict(type="raw", default="all"),
+            max_used_mib=dict(type="int", default=0),
+            timeout_s=dict(type="float", default=60.0),
+            poll_s=dict(type="float", default=0.1),
+            match=dict(type="list", elements="str", default=[]),
+            protect=dict(type="list", elements="str", default=[]),
+        ),
+        supports_check_mode=True,
+    )
+    p = module.params
+    if p["max_used_mib"] < 0:
+        module.fail_json(msg="max_used_mib must be >= 0, got %d" % p["max_used_mib"])
+    if p["timeout_s"] < 0:
+        module.fail_json(msg="timeout_s must be >= 0 seconds, got %s" % p["timeout_s"])
+    if p["poll_s"] <= 0:
+        module.fail_json(msg="poll_s must be > 0 seconds, got %s" % p["poll_s"])
+    try:
+        match = compile_patterns(p["match"], "match")
+        protect = compile_patterns(p["protect"], "protect")
+    except ValueError as exc:
+        module.fail_json(msg=str(exc))
+    try:
+        nvml = load_nvml()
+    except NvmlUnavailable as exc:
+        module.fail_json(msg="cannot verify that GPUs are free: %s" % exc)
+    try:
+        try:
+            indices = select_indices(p["gpus"], device_count(nvml))
+        except ValueError as exc:
+            module.fail_json(msg=str(exc))
+        ok, states, seconds, polls = wait_free(
+            nvml, indices, handles(nvml, indices), p["max_used_mib"], p["timeout_s"], p["poll_s"]
+        )
+    finally:
+        nvml.nvmlShutdown()
+    result = dict(
+        changed=False,
+        gpus=states,
+        seconds=seconds,
+        polls=polls,
+        held_without_process=held_without_process(states),
+    )
+    if ok:
+        module.exit_json(freed_at=time.time(), **result)
+
+    procs = snapshot()
+    shielded = ancestors(os.getpid(), procs)
+
+    def explain(pid):
+        proc = procs.get(pid) or read_proc(pid)
+        if proc is None:
+            return "command line unknown", "not visible from this host's /proc (another PID namespace?)"
+        reason = why_not_selectable(proc, match, protect, shielded)
+        return proc.display, reason or "selectable, but still running: it was not stopped before this check"
+
+    module.fail_json(msg=held_message(states, p["max_used_mib"], p["timeout_s"], explain), **result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The ``eagle3-pipeline`` command: runs the project's playbooks through ansible-runner."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from eagle3_pipeline import __version__, project_root
+
+PLAYBOOKS = {"gpu-reset": "gpu_reset.yml"}
+
+
+def parse_extravars(pairs: list[str]) -> dict:
+    """KEY=VALUE pairs to a dict; VALUE is read as JSON when it parses (numbers, lists, booleans)."""
+    extravars = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"error: -e expects KEY=VALUE, got {pair!r}")
+        try:
+            extravars[key] = json.loads(value)
+        except json.JSONDecodeError:
+            extravars[key] = value
+    return extravars
+
+
+def run_playbook(name: str, inventory: Path, extravars: dict, check: bool) -> int:
+    """Run one playbook of the project with ansible-runner, streaming Ansible's output; return its rc."""
+    try:
+        import ansible_runner  # noqa: PLC0415 - only needed for this command
+    except ImportError:
+        raise SystemExit("error: ansible-runner is not installed; run `make venv` and use .venv/bin/eagle3-pipeline")
+    root = project_root()
+    with tempfile.TemporaryDirectory(prefix="eagle3-runner-") as private:
+        result = ansible_runner.run(
+            private_data_dir=private,
+            project_dir=str(root),
+            playbook=str(root / "playbooks" / PLAYBOOKS[name]),
+            inventory=str(inventory.resolve()),
+            extravars=extravars,
+            cmdline="--check" if check else None,
+            envvars={"ANSIBLE_CONFIG": str(root / "ansible.cfg")},
+            quiet=False,
+        )
+    return 0 if result.status == "successful" else (result.rc or 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script."""
+    parser = argparse.ArgumentParser(prog="eagle3-pipeline", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"eagle3-pipeline {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    reset = sub.add_parser("gpu-reset", help="free the GPUs of the inventory's gpu_hosts (playbooks/gpu_reset.yml)")
+    reset.add_argument("-i", "--inventory", type=Path, default=project_root() / "inventory" / "local.yml")
+    reset.add_argument("-e", "--extra-var", action="append", default=[], metavar="KEY=VALUE")
+    reset.add_argument("--check", action="store_true", help="report what would be stopped, signal nothing")
+    args = parser.parse_args(argv)
+    if not args.inventory.exists():
+        parser.error(f"inventory {args.inventory} does not exist")
+    return run_playbook(args.command, args.inventory, parse_extravars(args.extra_var), args.check)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
