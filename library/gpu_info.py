@@ -1,10 +1,7 @@
 #!/usr/bin/python
-# -*- coding: utf-8 -*-
 """Ansible module gpu_info: read-only facts about a host's NVIDIA GPUs from NVML."""
 
 from __future__ import absolute_import, division, print_function
-
-__metaclass__ = type
 
 DOCUMENTATION = r"""
 ---
@@ -151,7 +148,9 @@ def main():
         health_problems=[],
     )
     if params["max_temperature_c"] is not None and params["max_temperature_c"] <= 0:
-        module.fail_json(msg="max_temperature_c must be a positive number of degrees C, got %d" % params["max_temperature_c"], **result)
+        module.fail_json(
+            msg="max_temperature_c must be a positive number of degrees C, got %d" % params["max_temperature_c"], **result
+        )
     try:
         nvml = load_nvml()
     except NvmlUnavailable as exc:

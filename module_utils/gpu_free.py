@@ -1,4 +1,3 @@
-# -*- coding: utf-8 -*-
 """Wait until GPUs are free, by NVML's v2 used memory and its process lists, polling.
 
 A GPU is free when its used memory (v2: without the driver's own reservation) is at most
@@ -8,8 +7,6 @@ or says that no process holds it (driver state; a GPU reset is the remedy).
 """
 
 from __future__ import absolute_import, division, print_function
-
-__metaclass__ = type
 
 import time
 

@@ -1,4 +1,3 @@
-# -*- coding: utf-8 -*-
 """Who holds the GPUs, and who may be stopped.
 
 Holders come from two places: NVML's process lists and the processes that have one of the
@@ -10,8 +9,6 @@ which outlive a kill of their parent alone, are caught without hitting a bystand
 """
 
 from __future__ import absolute_import, division, print_function
-
-__metaclass__ = type
 
 import glob
 import os
@@ -60,7 +57,7 @@ def read_proc(pid, proc_root=PROC):
     try:
         with open(os.path.join(proc_root, str(pid), "stat"), "rb") as handle:
             stat = handle.read().decode("utf-8", "replace")
-    except (IOError, OSError):
+    except OSError:
         return None
     # comm sits in parentheses and may itself hold spaces or parentheses.
     open_paren, close_paren = stat.find("("), stat.rfind(")")
@@ -69,7 +66,7 @@ def read_proc(pid, proc_root=PROC):
     try:
         with open(os.path.join(proc_root, str(pid), "cmdline"), "rb") as handle:
             raw = handle.read()
-    except (IOError, OSError):
+    except OSError:
         raw = b""
     cmdline = " ".join(part.decode("utf-8", "replace") for part in raw.split(b"\0") if part)
     return ProcInfo(
@@ -169,7 +166,7 @@ def device_holders(paths, proc_root=PROC):
                         mapped = parts[5].strip().decode("utf-8", "replace")
                         if mapped in wanted:
                             hits.add(mapped)
-        except (IOError, OSError):
+        except OSError:
             pass
         if hits:
             found[pid] = sorted(hits)
@@ -183,7 +180,7 @@ def compile_patterns(patterns, option):
         try:
             compiled.append(re.compile(pattern))
         except re.error as exc:
-            raise ValueError("%s: %r is not a valid regular expression: %s" % (option, pattern, exc))
+            raise ValueError("%s: %r is not a valid regular expression: %s" % (option, pattern, exc)) from exc
     return compiled
 
 

@@ -1,4 +1,3 @@
-# -*- coding: utf-8 -*-
 """A read-only view of NVIDIA GPUs through NVML (the nvidia-ml-py package, imported as pynvml).
 
 Every query that a GPU or driver does not support becomes ``None`` ("unknown") instead of an
@@ -8,8 +7,6 @@ Memory is read with the v2 call: the v1 call counts memory the driver reserves f
 """
 
 from __future__ import absolute_import, division, print_function
-
-__metaclass__ = type
 
 import glob
 import os
@@ -44,11 +41,11 @@ def load_nvml(nvml=None):
                 "the Python package nvidia-ml-py (module pynvml) is not installed for %s (%s); "
                 "install it there (pip install nvidia-ml-py) or let the gpu_reset role create "
                 "its venv (gpu_reset_nvml_venv)" % (sys.executable, exc)
-            )
+            ) from exc
     try:
         nvml.nvmlInit()
     except nvml.NVMLError as exc:
-        raise NvmlUnavailable("NVML could not be initialised: %s (is the NVIDIA driver loaded?)" % _text(exc))
+        raise NvmlUnavailable("NVML could not be initialised: %s (is the NVIDIA driver loaded?)" % _text(exc)) from exc
     return nvml
 
 
@@ -177,7 +174,7 @@ def select_indices(requested, count):
         try:
             value = int(item)
         except (TypeError, ValueError):
-            raise ValueError("gpus: %r is not a GPU index; give 'all' or a list of integers" % (item,))
+            raise ValueError("gpus: %r is not a GPU index; give 'all' or a list of integers" % (item,)) from None
         if value < 0 or value >= count:
             raise ValueError(
                 "gpus: GPU %d does not exist on this host; it has %d GPU(s)%s"

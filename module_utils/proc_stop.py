@@ -1,4 +1,3 @@
-# -*- coding: utf-8 -*-
 """Stop processes politely, then firmly, and watch them go: SIGTERM, poll, SIGKILL, poll.
 
 Polling (every ``poll_s``, 50 ms by default) replaces fixed sleeps: a process that exits at
@@ -8,8 +7,6 @@ Processes are tracked by (pid, start time) so a reused PID is never mistaken for
 """
 
 from __future__ import absolute_import, division, print_function
-
-__metaclass__ = type
 
 import errno
 import os
@@ -73,7 +70,7 @@ def stop_units(units, grace_s, kill_wait_s=10.0, poll_s=0.05, proc_root=PROC, cl
         for unit in units:
             _group_members(unit, tracked, proc_root)
         pending = 0
-        for key, entry in tracked.items():
+        for entry in tracked.values():
             if "signal" in entry:
                 continue
             alive, current = _alive(entry["proc"], proc_root)
@@ -140,5 +137,8 @@ def survivor_message(survivors, kill_wait_s):
             if state == "D"
             else "state %s" % state
         )
-        lines.append("PID %d (%s) is still alive %.0f s after SIGKILL: %s" % (record["pid"], record["cmdline"], kill_wait_s, hint))
+        lines.append(
+            "PID %d (%s) is still alive %.0f s after SIGKILL: %s"
+            % (record["pid"], record["cmdline"], kill_wait_s, hint)
+        )
     return "; ".join(lines)

@@ -32,7 +32,9 @@ def run_playbook(name: str, inventory: Path, extravars: dict, check: bool) -> in
     try:
         import ansible_runner  # noqa: PLC0415 - only needed for this command
     except ImportError:
-        raise SystemExit("error: ansible-runner is not installed; run `make venv` and use .venv/bin/eagle3-pipeline")
+        raise SystemExit(
+            "error: ansible-runner is not installed; run `make venv` and use .venv/bin/eagle3-pipeline"
+        ) from None
     root = project_root()
     with tempfile.TemporaryDirectory(prefix="eagle3-runner-") as private:
         result = ansible_runner.run(
