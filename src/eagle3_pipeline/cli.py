@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -22,9 +24,25 @@ def parse_extravars(pairs: list[str]) -> dict:
             raise SystemExit(f"error: -e expects KEY=VALUE, got {pair!r}")
         try:
             extravars[key] = json.loads(value)
-        except json.JSONDecodeError:
+        except json.JSONDecodeError as exc:
+            # A list or dict with a typo would otherwise reach Ansible as a plain string.
+            if value.lstrip().startswith(("[", "{")):
+                raise SystemExit(
+                    f"error: -e {key}: {value!r} looks like a JSON list or object but does not parse ({exc}); "
+                    f'write it as JSON, e.g. -e \'{key}=["a", "b"]\''
+                ) from None
             extravars[key] = value
     return extravars
+
+
+def runner_path() -> str:
+    """PATH for the playbook run, led by this Python's scripts directory.
+
+    ansible-runner looks ``ansible-playbook`` up on PATH; a venv's console script run without
+    activating the venv would otherwise find none (or another installation's).
+    """
+    scripts = sysconfig.get_path("scripts")
+    return os.pathsep.join([scripts, os.environ.get("PATH", os.defpath)])
 
 
 def run_playbook(name: str, inventory: Path, extravars: dict, check: bool) -> int:
@@ -36,6 +54,10 @@ def run_playbook(name: str, inventory: Path, extravars: dict, check: bool) -> in
             "error: ansible-runner is not installed; run `make venv` and use .venv/bin/eagle3-pipeline"
         ) from None
     root = project_root()
+    envvars = {"ANSIBLE_CONFIG": str(root / "ansible.cfg"), "PATH": runner_path()}
+    if not sys.stdout.isatty():
+        # ansible-runner gives ansible-playbook a pseudo-terminal: colours would land in logs.
+        envvars["ANSIBLE_NOCOLOR"] = "1"
     with tempfile.TemporaryDirectory(prefix="eagle3-runner-") as private:
         result = ansible_runner.run(
             private_data_dir=private,
@@ -44,7 +66,7 @@ def run_playbook(name: str, inventory: Path, extravars: dict, check: bool) -> in
             inventory=str(inventory.resolve()),
             extravars=extravars,
             cmdline="--check" if check else None,
-            envvars={"ANSIBLE_CONFIG": str(root / "ansible.cfg")},
+            envvars=envvars,
             quiet=False,
         )
     return 0 if result.status == "successful" else (result.rc or 1)

@@ -1,0 +1,162 @@
+"""playbooks/gpu_reset.yml through ansible-runner, against real processes holding a stand-in device file."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+
+def read_report(report_dir: Path) -> dict:
+    """The JSON report the role wrote for localhost."""
+    return json.loads((report_dir / "localhost.json").read_text())
+
+
+def is_number(value) -> bool:
+    """A JSON number (not a bool, not a string that looks like one)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def test_check_mode_names_the_holder_and_signals_nothing(tmp_path, device_file, start_holder, run_gpu_reset):
+    holder = start_holder("checked", device_file)
+    report_dir = tmp_path / "report"
+
+    run = run_gpu_reset(
+        {"gpu_reset_device_paths": [str(device_file)], "gpu_reset_report_dir": str(report_dir)}, check=True
+    )
+
+    assert run.status == "successful", run.stdout
+    stop = run.result("gpu_processes")
+    assert stop["device_paths"] == [str(device_file.resolve())]
+    assert [p["pid"] for p in stop["would_stop"]] == [holder.pid]
+    assert stop["stopped"] == []
+    assert holder.alive()
+    assert not holder.got_sigterm(), "check mode sent SIGTERM"
+    assert f"would stop PID {holder.pid} (" in "\n".join(run.summary())
+    report = read_report(report_dir)
+    assert report["check_mode"] is True
+    assert [p["pid"] for p in report["would_stop"]] == [holder.pid]
+    assert report["stopped"] == []
+
+
+def test_run_stops_the_holder_reports_it_and_a_second_run_changes_nothing(
+    tmp_path, device_file, start_holder, run_gpu_reset
+):
+    holder = start_holder("stopped", device_file)
+    report_dir = tmp_path / "report"
+    extravars = {
+        "gpu_reset_device_paths": [str(device_file)],
+        "gpu_reset_report_dir": str(report_dir),
+        "gpu_reset_grace_s": 5,
+    }
+
+    first = run_gpu_reset(extravars)
+
+    assert first.status == "successful", first.stdout
+    assert first.result("gpu_processes")["changed"] is True
+    assert holder.exit_status() == 0, "the holder did not exit through its SIGTERM handler"
+    assert holder.got_sigterm()
+    report = read_report(report_dir)
+    assert report["check_mode"] is False
+    assert report["left"] == []
+    assert [p["pid"] for p in report["stopped"]] == [holder.pid]
+    stopped = report["stopped"][0]
+    assert "--tag stopped " in stopped["cmdline"]
+    assert stopped["signal"] == "SIGTERM"
+    assert is_number(stopped["seconds"]) and 0 <= stopped["seconds"] < 5
+    assert is_number(report["stop_seconds"]) and report["stop_seconds"] >= stopped["seconds"]
+    assert is_number(report["first_signal_at"])
+    assert f"stopped PID {holder.pid} (" in "\n".join(first.summary())
+
+    second = run_gpu_reset(extravars)
+
+    assert second.status == "successful", second.stdout
+    assert second.changed() == 0, second.changed_tasks()
+    assert second.result("gpu_processes")["holders"] == []
+    assert read_report(report_dir)["stopped"] == []
+
+
+def test_a_whole_group_is_stopped_and_sigkill_follows_the_grace(device_file, start_holder, run_gpu_reset):
+    # The launcher holds the file; its child holds nothing and ignores SIGTERM, as a server's
+    # worker that outlives a kill of its parent would.
+    holder = start_holder("launcher", device_file, child=True)
+
+    run = run_gpu_reset({"gpu_reset_device_paths": [str(device_file)], "gpu_reset_grace_s": 0.5})
+
+    assert run.status == "successful", run.stdout
+    stop = run.result("gpu_processes")
+    assert stop["units"] == [{"kind": "group", "id": holder.pid, "pids": sorted([holder.pid, holder.child_pid])}]
+    ended = {p["pid"]: p for p in stop["stopped"]}
+    assert {pid: p["signal"] for pid, p in ended.items()} == {holder.pid: "SIGTERM", holder.child_pid: "SIGKILL"}
+    assert ended[holder.child_pid]["seconds"] >= 0.5
+    assert holder.child_term_marker.exists(), "SIGTERM did not reach the child through its group"
+    assert not holder.child_alive()
+    assert holder.exit_status() == 0
+
+
+def test_match_stops_only_the_matching_holder(tmp_path, device_file, start_holder, run_gpu_reset):
+    kept = start_holder("keep-me", device_file)
+    target = start_holder("stop-me", device_file)
+    report_dir = tmp_path / "report"
+
+    run = run_gpu_reset(
+        {
+            "gpu_reset_device_paths": [str(device_file)],
+            "gpu_reset_report_dir": str(report_dir),
+            "gpu_reset_match": ["--tag stop-me( |$)"],
+            "gpu_reset_grace_s": 5,
+        }
+    )
+
+    assert run.status == "successful", run.stdout
+    assert target.exit_status() == 0
+    assert kept.alive()
+    assert not kept.got_sigterm()
+    report = read_report(report_dir)
+    assert [p["pid"] for p in report["stopped"]] == [target.pid]
+    assert [p["pid"] for p in report["left"]] == [kept.pid]
+    assert "not matched" in report["left"][0]["reason"]
+    assert f"left PID {kept.pid} (" in "\n".join(run.summary())
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("gpu_reset_grace_s", "soon"), ("gpu_reset_required", "maybe"), ("gpu_reset_device_paths", {"a": 1})],
+)
+def test_a_wrong_variable_fails_at_the_first_task_naming_it(name, value, device_file, start_holder, run_gpu_reset):
+    holder = start_holder("bystander", device_file)
+    extravars = {"gpu_reset_device_paths": [str(device_file)], name: value}
+
+    run = run_gpu_reset(extravars)
+
+    assert run.status == "failed", run.stdout
+    failed = run.failed()
+    assert len(failed) == 1, run.stdout
+    assert failed[0]["task_action"] in ("ansible.builtin.validate_argument_spec", "validate_argument_spec")
+    first_task = next(e["event_data"] for e in run.events if e["event"] == "playbook_on_task_start")
+    assert first_task["task_uuid"] == failed[0]["task_uuid"], "the validation was not the first task"
+    assert run.task_results(("runner_on_ok",)) == [], "tasks ran after a failed validation"
+    message = failed[0]["res"]["msg"]
+    assert f"'{name}'" in message
+    assert not [other for other in extravars if other != name and other in message]
+    assert holder.alive()
+    assert not holder.got_sigterm()
+
+
+@pytest.mark.parametrize(("variable", "option"), [("gpu_reset_match", "match"), ("gpu_reset_protect_extra", "protect")])
+def test_a_bad_regex_fails_naming_the_option_and_pattern(variable, option, device_file, start_holder, run_gpu_reset):
+    holder = start_holder("bystander", device_file)
+
+    run = run_gpu_reset({"gpu_reset_device_paths": [str(device_file)], variable: ["sglang", "(unclosed"]})
+
+    assert run.status == "failed", run.stdout
+    failed = run.failed()
+    assert [f["task_action"] for f in failed] == ["gpu_processes"], run.stdout
+    message = failed[0]["res"]["msg"]
+    assert re.match(rf"{option}\b", message), message
+    assert "'(unclosed'" in message
+    assert "not a valid regular expression" in message
+    assert holder.alive()
+    assert not holder.got_sigterm()
