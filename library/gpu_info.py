@@ -116,6 +116,7 @@ import sys
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.gpu_holders import read_proc
 from ansible.module_utils.gpu_nvml import (
+    NVML_FAILURE_REMEDY,
     NvmlUnavailable,
     device_count,
     driver_detected,
@@ -158,6 +159,7 @@ def main():
         if params["required"]:
             module.fail_json(msg="NVML is required but unavailable on this host: %s" % exc, **result)
         module.exit_json(**result)
+    index = None
     try:
         count = device_count(nvml)
         try:
@@ -180,6 +182,9 @@ def main():
                 )
             )
         result.update(nvml_available=True, driver_version=driver_version(nvml), gpu_count=count, gpus=gpus)
+    except nvml.NVMLError as exc:
+        where = "" if index is None else "GPU %d: " % index
+        module.fail_json(msg="%sNVML query failed: %s; %s" % (where, exc, NVML_FAILURE_REMEDY), nvml_available=True, **result)
     finally:
         nvml.nvmlShutdown()
     module.exit_json(**result)

@@ -102,7 +102,7 @@ units:
   elements: dict
   sample: [{kind: group, id: 4240, pids: [4240, 4242, 4243]}]
 stopped:
-  description: Processes that exited, with the signal that ended them and seconds from the first signal.
+  description: Processes that exited, with the signal that ended them (null when one exited before any signal) and seconds from the first signal.
   returned: always
   type: list
   elements: dict
@@ -149,6 +149,7 @@ from ansible.module_utils.gpu_holders import (
     snapshot,
 )
 from ansible.module_utils.gpu_nvml import (
+    NVML_FAILURE_REMEDY,
     NvmlUnavailable,
     device_count,
     handles,
@@ -161,7 +162,10 @@ from ansible.module_utils.proc_stop import stop_units, survivor_message
 
 
 def nvml_view(requested, use_nvml):
-    """(available, {gpu index: [process dicts]}, minor numbers or None, reason)."""
+    """(available, {gpu index: [process dicts]}, minor numbers or None, reason).
+
+    Raises ValueError, with the message to show, for unknown GPUs or a failed NVML query.
+    """
     if use_nvml == "never":
         return False, {}, None, "use_nvml=never"
     try:
@@ -180,6 +184,11 @@ def nvml_view(requested, use_nvml):
             minors.append(minor_number(nvml, handle))
         all_selected = len(indices) == count
         return True, per_gpu, None if all_selected or None in minors else minors, None
+    except nvml.NVMLError as exc:
+        raise ValueError(
+            "NVML query failed while listing the GPUs' processes (gpus=%s): %s; %s; or set use_nvml: never "
+            "to find holders from device_paths only" % (requested, exc, NVML_FAILURE_REMEDY)
+        ) from exc
     finally:
         nvml.nvmlShutdown()
 
@@ -259,7 +268,8 @@ def main():
 
     report = stop_units(units, grace_s=p["grace_s"], kill_wait_s=p["kill_wait_s"])
     result.update(
-        changed=True,
+        # Nothing was signalled when every selected process exited on its own meanwhile.
+        changed=report["first_signal_at"] is not None,
         stopped=[annotate(r) for r in report["stopped"]],
         first_signal_at=report["first_signal_at"],
         seconds=report["seconds"],

@@ -12,7 +12,7 @@ description:
     used (NVML's v2 memory call, which leaves out the driver's own reservation) and no
     compute process, or O(timeout_s) passes.
   - On timeout the message names each GPU still held, the MiB it holds and each holder (PID,
-    command line, and why it was left: protected, not matched, part of this run), or says
+    command line, and why it was left, e.g. protected, not matched, part of this run), or says
     that no process holds it (driver state; see the gpu_reset role's gpu_reset_smi_reset).
   - Never changes anything.
 options:
@@ -88,7 +88,14 @@ import time
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.gpu_free import held_message, held_without_process, wait_free
 from ansible.module_utils.gpu_holders import ancestors, compile_patterns, read_proc, snapshot, why_not_selectable
-from ansible.module_utils.gpu_nvml import NvmlUnavailable, device_count, handles, load_nvml, select_indices
+from ansible.module_utils.gpu_nvml import (
+    NVML_FAILURE_REMEDY,
+    NvmlUnavailable,
+    device_count,
+    handles,
+    load_nvml,
+    select_indices,
+)
 
 
 def main():
@@ -127,6 +134,10 @@ def main():
             module.fail_json(msg=str(exc))
         ok, states, seconds, polls = wait_free(
             nvml, indices, handles(nvml, indices), p["max_used_mib"], p["timeout_s"], p["poll_s"]
+        )
+    except nvml.NVMLError as exc:
+        module.fail_json(
+            msg="NVML query failed while waiting for the GPUs to be free (gpus=%s): %s; %s" % (p["gpus"], exc, NVML_FAILURE_REMEDY)
         )
     finally:
         nvml.nvmlShutdown()

@@ -39,8 +39,12 @@ class ProcInfo(object):
 
     @property
     def is_kernel_thread(self):
-        """Kernel threads have the PF_KTHREAD flag (and no command line)."""
-        return bool(self.flags & PF_KTHREAD) or self.pid == 2 or self.ppid == 2
+        """Kernel threads have the PF_KTHREAD flag (and no command line).
+
+        The flag alone decides: in a PID namespace (a container) PID 2 and its children are
+        ordinary processes, not kthreadd and its threads.
+        """
+        return bool(self.flags & PF_KTHREAD)
 
     @property
     def display(self):

@@ -18,6 +18,13 @@ MIB = 1024 * 1024
 DRIVER_MARKERS = ("/proc/driver/nvidia/version", "/dev/nvidiactl")
 
 
+# What to do when an NVML query fails on a GPU (rather than being unsupported by it).
+NVML_FAILURE_REMEDY = (
+    "look for Xid errors in the kernel log (dmesg); a GPU that is lost or needs a reset "
+    "takes nvidia-smi -r on it, or a reboot"
+)
+
+
 class NvmlUnavailable(Exception):
     """NVML cannot be used on this host; ``str()`` says why and what to do."""
 
@@ -172,6 +179,9 @@ def select_indices(requested, count):
     indices = []
     for item in requested:
         try:
+            # int() alone would quietly take 1.5 or True as GPU 1.
+            if isinstance(item, bool) or (isinstance(item, float) and not item.is_integer()):
+                raise ValueError(item)
             value = int(item)
         except (TypeError, ValueError):
             raise ValueError("gpus: %r is not a GPU index; give 'all' or a list of integers" % (item,)) from None

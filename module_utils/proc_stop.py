@@ -36,9 +36,18 @@ def _send(unit, sig):
             raise
 
 
+def _running(unit, tracked):
+    """Whether a process of the unit was still running at the last sweep.
+
+    Only such a unit is signalled (or gains members): once all its processes are gone, its
+    PID or group id may belong to an unrelated process.
+    """
+    return any(entry["unit"] is unit and "signal" not in entry for entry in tracked.values())
+
+
 def _group_members(unit, tracked, proc_root):
     """Members of a group unit, including processes that joined it since planning (forks)."""
-    if unit.kind != "group":
+    if unit.kind != "group" or not _running(unit, tracked):
         return
     for proc in snapshot(proc_root).values():
         if proc.pgid == unit.ident and proc.key() not in tracked:
@@ -49,9 +58,10 @@ def stop_units(units, grace_s, kill_wait_s=10.0, poll_s=0.05, proc_root=PROC, cl
     """Stop every unit; return a report dict.
 
     Report keys: ``stopped`` (one record per process: pid, pgid, cmdline, unit, signal that
-    ended it, seconds from the first signal to its exit, zombie_parent when it ended as a
-    zombie), ``survivors`` (processes still alive after SIGKILL and ``kill_wait_s``, with
-    their state), ``first_signal_at`` (time.time() of the first signal) and ``seconds``.
+    ended it (None when it had exited before any signal), seconds from the first signal to its
+    exit, zombie_parent when it ended as a zombie), ``survivors`` (processes still alive after
+    SIGKILL and ``kill_wait_s``, with their state), ``first_signal_at`` (time.time() of the
+    first signal, None when none was sent) and ``seconds``.
     """
     tracked = {}
     for unit in units:
@@ -60,15 +70,12 @@ def stop_units(units, grace_s, kill_wait_s=10.0, poll_s=0.05, proc_root=PROC, cl
     report = {"stopped": [], "survivors": [], "first_signal_at": None, "seconds": 0.0}
     if not units:
         return report
-    report["first_signal_at"] = time.time()
     start = clock()
-    for unit in units:
-        _send(unit, signal.SIGTERM)
-    signal_name = "SIGTERM"
 
-    def sweep(now_signal):
-        for unit in units:
-            _group_members(unit, tracked, proc_root)
+    def sweep(now_signal, adopt=True):
+        if adopt:
+            for unit in units:
+                _group_members(unit, tracked, proc_root)
         pending = 0
         for entry in tracked.values():
             if "signal" in entry:
@@ -88,6 +95,14 @@ def stop_units(units, grace_s, kill_wait_s=10.0, poll_s=0.05, proc_root=PROC, cl
                 }
         return pending
 
+    # Processes already gone are never signalled: their PIDs may have been reused.
+    sweep(None, adopt=False)
+    signal_name = "SIGTERM"
+    for unit in units:
+        if _running(unit, tracked):
+            if report["first_signal_at"] is None:
+                report["first_signal_at"] = time.time()
+            _send(unit, signal.SIGTERM)
     deadline = start + grace_s
     pending = sweep(signal_name)
     while pending and clock() < deadline:
@@ -96,8 +111,8 @@ def stop_units(units, grace_s, kill_wait_s=10.0, poll_s=0.05, proc_root=PROC, cl
     if pending:
         signal_name = "SIGKILL"
         for unit in units:
-            _send(unit, signal.SIGKILL)
-        # Members not in a signalled group (individual units) that are still alive.
+            if _running(unit, tracked):
+                _send(unit, signal.SIGKILL)
         deadline = clock() + kill_wait_s
         pending = sweep(signal_name)
         while pending and clock() < deadline:
