@@ -211,7 +211,7 @@ def why_not_selectable(proc, match, protect, shielded):
         return "part of this run (an ancestor of the module: the Ansible run or what started it)"
     hit = first_match(protect, proc.display)
     if hit is not None:
-        return "protected: matches %r (gpu_reset_protect)" % hit.pattern
+        return "protected: matches %r (gpu_reset_protect or gpu_reset_protect_extra)" % hit.pattern
     if match and first_match(match, proc.display) is None:
         return "not matched by any pattern of gpu_reset_match"
     return None
