@@ -96,7 +96,8 @@ def test_held_message_names_each_gpu_its_mib_and_each_holder_with_the_reason():
     assert message == (
         "GPUs not free after 60.0 s: "
         "GPU 1 holds 71000 MiB (limit 0 MiB), held by "
-        "PID 4242 (nv-hostengine -n, 70000 MiB): protected: matches 'nv-hostengine' (gpu_reset_protect or gpu_reset_protect_extra); "
+        "PID 4242 (nv-hostengine -n, 70000 MiB): protected: matches 'nv-hostengine' "
+        "(gpu_reset_protect or gpu_reset_protect_extra); "
         "PID 4300 (python train.py, MiB unknown): not matched by any pattern of gpu_reset_match | "
         "GPU 2 holds 512 MiB (limit 0 MiB): no process holds it: driver state; see gpu_reset_smi_reset "
         "(nvidia-smi -r on that GPU) or reboot the host"

@@ -191,7 +191,9 @@ def test_protect_and_match_patterns_decide_with_their_reasons(spawn):
     assert why_not_selectable(proc, compile_patterns(["vllm"], "match"), [], set()) == (
         "not matched by any pattern of gpu_reset_match"
     )
-    assert why_not_selectable(proc, match, protect, set()) == "protected: matches 'sglang-w\\\\w+' (gpu_reset_protect or gpu_reset_protect_extra)"
+    assert why_not_selectable(proc, match, protect, set()) == (
+        "protected: matches 'sglang-w\\\\w+' (gpu_reset_protect or gpu_reset_protect_extra)"
+    )
 
 
 def test_a_process_with_pid_2_in_a_container_is_not_a_kernel_thread():

@@ -377,8 +377,8 @@ def test_gpu_wait_free_fails_naming_each_holder_and_why_it_was_left(install_nvml
     assert result["polls"] >= 2
     own_cmdline = " ".join(part for part in Path("/proc/self/cmdline").read_text().split("\0") if part)
     explained = {  # NVML's processes are reported in PID order
-        kept.pid: "PID %d (%s, 1000 MiB): protected: matches 'persistenced' (gpu_reset_protect or gpu_reset_protect_extra)"
-        % (kept.pid, " ".join(kept.popen.args)),
+        kept.pid: "PID %d (%s, 1000 MiB): protected: matches 'persistenced' "
+        "(gpu_reset_protect or gpu_reset_protect_extra)" % (kept.pid, " ".join(kept.popen.args)),
         forgotten.pid: "PID %d (%s, 1000 MiB): selectable, but still running: it was not stopped before this check"
         % (forgotten.pid, " ".join(forgotten.popen.args)),
         os.getpid(): "PID %d (%s, 500 MiB): %s" % (os.getpid(), own_cmdline, RUN_REASON),
