@@ -26,7 +26,7 @@ from eagle3_pipeline.cli import runner_path
 ROOT = Path(__file__).resolve().parents[2]
 PLAYBOOK = ROOT / "playbooks" / "gpu_reset.yml"
 INVENTORY = ROOT / "inventory" / "local.yml"
-HOLDER_SCRIPT = Path(__file__).with_name("holder_process.py")
+HOLDER_SCRIPT = ROOT / "tests" / "device_holder.py"
 READY_DEADLINE_S = 10.0
 HOST = "localhost"
 
@@ -49,7 +49,7 @@ def is_alive(pid: int, starttime: int) -> bool:
 
 @dataclass
 class Holder:
-    """A holder_process.py started by a test: what it is, and what happened to it."""
+    """A tests/device_holder.py started by a test: what it is, and what happened to it."""
 
     popen: subprocess.Popen
     tag: str
@@ -66,7 +66,7 @@ class Holder:
 
     @property
     def child_term_marker(self) -> Path:
-        """The file the child appends to on SIGTERM."""
+        """The file the child appends to on SIGTERM (its --term-marker)."""
         return self.term_marker.with_name(self.term_marker.name + ".child")
 
     def alive(self) -> bool:
@@ -109,7 +109,7 @@ def device_file(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def start_holder(tmp_path: Path):
-    """Start holder_process.py instances; each is killed when the test ends, whatever happened."""
+    """Start tests/device_holder.py instances; each is killed when the test ends, whatever happened."""
     started: list[Holder] = []
 
     def start(tag: str, device: Path, *, ignore_term: bool = False, child: bool = False) -> Holder:
@@ -117,12 +117,17 @@ def start_holder(tmp_path: Path):
         marker = tmp_path / f"{tag}.sigterm"
         command = [
             sys.executable, str(HOLDER_SCRIPT),
-            "--tag", tag, "--device", str(device), "--ready", str(ready), "--term-marker", str(marker),
+            "--tag", tag, "--hold", str(device), "--ready", str(ready), "--term-marker", str(marker),
         ]  # fmt: skip
         if ignore_term:
             command.append("--ignore-term")
         if child:
-            command.append("--child")
+            # One child in the holder's group, as a launcher's worker: it holds no device file
+            # and ignores SIGTERM, but notes it.
+            command += [
+                "--children", "1", "--child-tag", f"{tag}-child", "--child-ignore-term",
+                "--child-term-marker", str(marker.with_name(marker.name + ".child")),
+            ]  # fmt: skip
         popen = subprocess.Popen(command, start_new_session=True, stdin=subprocess.DEVNULL)
         holder = Holder(popen=popen, tag=tag, ready=ready, term_marker=marker, starttime=proc_stat(popen.pid)[1])
         started.append(holder)
@@ -135,8 +140,9 @@ def start_holder(tmp_path: Path):
             time.sleep(0.01)
         info = json.loads(ready.read_text())
         assert info["pid"] == popen.pid
-        if info["child_pid"] is not None:
-            holder.child_pid = info["child_pid"]
+        assert len(info["children"]) == (1 if child else 0)
+        if info["children"]:
+            (holder.child_pid,) = info["children"]
             child_stat = proc_stat(holder.child_pid)
             assert child_stat is not None and child_stat[2] == popen.pid, "child not in the holder's group"
             holder.child_starttime = child_stat[1]

@@ -20,7 +20,7 @@ import pytest
 from ansible.module_utils.gpu_holders import read_proc
 from process_checks import running
 
-CHILD = Path(__file__).with_name("holder_child.py")
+HOLDER_SCRIPT = Path(__file__).resolve().parents[1] / "device_holder.py"
 READY_TIMEOUT_S = 15.0
 
 
@@ -47,7 +47,7 @@ class Child:
 
 
 class Spawner:
-    """Starts holder_child.py processes and cleans every one of them up."""
+    """Starts tests/device_holder.py processes and cleans every one of them up."""
 
     def __init__(self, workdir):
         self.workdir = workdir
@@ -55,11 +55,11 @@ class Spawner:
         self.count = 0
 
     def __call__(self, *options, new_session=False):
-        """Start a child with holder_child.py options; return once it has written its ready file."""
+        """Start a holder with device_holder.py options; return once it has written its ready file."""
         self.count += 1
         ready = self.workdir / ("ready-%d.json" % self.count)
         stderr_path = self.workdir / ("stderr-%d.txt" % self.count)
-        command = [sys.executable, str(CHILD), "--ready", str(ready), "--die-with-parent"]
+        command = [sys.executable, str(HOLDER_SCRIPT), "--ready", str(ready), "--die-with-parent"]
         command += [str(option) for option in options]
         with open(stderr_path, "wb") as stderr:
             popen = subprocess.Popen(
