@@ -72,8 +72,20 @@ def run_playbook(name: str, inventory: Path, extravars: dict, check: bool) -> in
     return 0 if result.status == "successful" else (result.rc or 1)
 
 
+# Commands implemented in their own modules, imported only when used (some need torch).
+# Each module defines configure_parser(parser) and run(args) -> int.
+MODULE_COMMANDS = {
+    "tiny-model": ("eagle3_pipeline.models.tiny", "build the embedded tiny target model (cached)"),
+    "demo-dataset": ("eagle3_pipeline.data.demo_dataset", "write the demo conversations (ShareGPT JSONL)"),
+    "serve-reference": ("eagle3_pipeline.engine.reference_server", "run the reference engine's HTTP server"),
+    "supervise": ("eagle3_pipeline.serve.supervisor", "start, stop or inspect a supervised server process"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script."""
+    import importlib  # noqa: PLC0415
+
     parser = argparse.ArgumentParser(prog="eagle3-pipeline", description=__doc__)
     parser.add_argument("--version", action="version", version=f"eagle3-pipeline {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,7 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     reset.add_argument("-i", "--inventory", type=Path, default=project_root() / "inventory" / "local.yml")
     reset.add_argument("-e", "--extra-var", action="append", default=[], metavar="KEY=VALUE")
     reset.add_argument("--check", action="store_true", help="report what would be stopped, signal nothing")
+    modules = {}
+    for name, (module_name, help_text) in MODULE_COMMANDS.items():
+        modules[name] = importlib.import_module(module_name)
+        modules[name].configure_parser(sub.add_parser(name, help=help_text, description=help_text))
     args = parser.parse_args(argv)
+    if args.command in modules:
+        return modules[args.command].run(args)
     if not args.inventory.exists():
         parser.error(f"inventory {args.inventory} does not exist")
     return run_playbook(args.command, args.inventory, parse_extravars(args.extra_var), args.check)

@@ -1,0 +1,1 @@
+"""Hidden-state capture: one writer shared by every engine, and SGLang's forward hook."""

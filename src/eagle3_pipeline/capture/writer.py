@@ -1,0 +1,162 @@
+"""The capture writer: one safetensors file per request id, written atomically.
+
+Both engines (SGLang through its forward hook, and the reference engine) write captures with
+this code, so the extraction client reads one format:
+
+``<capture_dir>/<rid>.safetensors`` with ``aux_hidden_states`` [T, n_aux * H] and
+``last_hidden_states`` [T, H] for exactly the T tokens of the request's prefill, plus string
+metadata (rid, num_tokens, aux_layer_ids, engine). A request whose prefill was not complete
+(a cached prefix, a split prefill) never gets that file: ``<rid>.incomplete.json`` says why.
+Files appear by rename, so a reader never sees half a file; the directory is mode 0700.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, safe_open, save_file
+
+CAPTURE_SUFFIX = ".safetensors"
+INCOMPLETE_SUFFIX = ".incomplete.json"
+_RID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+
+
+class CaptureError(ValueError):
+    """A capture cannot be written or read as asked; the message says which and why."""
+
+
+def check_rid(rid: str) -> str:
+    """Refuse request ids that could escape the capture directory or collide with temp files."""
+    if not isinstance(rid, str) or not _RID.match(rid) or rid.endswith((".tmp", INCOMPLETE_SUFFIX)):
+        raise CaptureError(
+            f"request id {rid!r} cannot name a capture file: use 1-200 characters of letters, digits, '.', '_', '-', "
+            "starting with a letter or digit"
+        )
+    return rid
+
+
+def ensure_capture_dir(capture_dir: str | os.PathLike) -> Path:
+    """Create the capture directory (mode 0700) if needed and return it."""
+    path = Path(capture_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def capture_path(capture_dir: str | os.PathLike, rid: str) -> Path:
+    """Where the capture of ``rid`` is (or will be)."""
+    return Path(capture_dir) / f"{check_rid(rid)}{CAPTURE_SUFFIX}"
+
+
+def incomplete_path(capture_dir: str | os.PathLike, rid: str) -> Path:
+    """Where the record of an incomplete capture of ``rid`` is."""
+    return Path(capture_dir) / f"{check_rid(rid)}{INCOMPLETE_SUFFIX}"
+
+
+def _atomic_write(target: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_capture(
+    capture_dir: str | os.PathLike,
+    rid: str,
+    aux_hidden_states: torch.Tensor,
+    last_hidden_states: torch.Tensor,
+    aux_layer_ids: list[int] | tuple[int, ...],
+    engine: str,
+) -> Path:
+    """Write the capture of one request atomically; return its path.
+
+    ``aux_hidden_states`` is [T, n_aux * H] and ``last_hidden_states`` [T, H], both on any
+    device and in the model's dtype (they are copied to the CPU as they are).
+    """
+    if last_hidden_states.dim() != 2 or aux_hidden_states.dim() != 2:
+        raise CaptureError(
+            f"capture of {rid}: expected 2-D tensors, got aux {tuple(aux_hidden_states.shape)} "
+            f"and last {tuple(last_hidden_states.shape)}"
+        )
+    tokens, hidden = last_hidden_states.shape
+    n_aux = len(aux_layer_ids)
+    if tuple(aux_hidden_states.shape) != (tokens, n_aux * hidden):
+        raise CaptureError(
+            f"capture of {rid}: aux_hidden_states is {tuple(aux_hidden_states.shape)}, expected "
+            f"({tokens}, {n_aux} x {hidden}) for aux layers {list(aux_layer_ids)}"
+        )
+    directory = ensure_capture_dir(capture_dir)
+    target = capture_path(directory, rid)
+    tensors = {
+        "aux_hidden_states": aux_hidden_states.detach().to("cpu").contiguous(),
+        "last_hidden_states": last_hidden_states.detach().to("cpu").contiguous(),
+    }
+    metadata = {
+        "rid": rid,
+        "num_tokens": str(tokens),
+        "hidden_size": str(hidden),
+        "aux_layer_ids": json.dumps([int(i) for i in aux_layer_ids]),
+        "engine": engine,
+    }
+    _atomic_write(target, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    stale = incomplete_path(directory, rid)
+    if stale.exists():
+        stale.unlink()
+    return target
+
+
+def write_incomplete(capture_dir: str | os.PathLike, rid: str, reason: str, **details) -> Path:
+    """Record that the prefill of ``rid`` was not captured whole, and why; never a capture file."""
+    directory = ensure_capture_dir(capture_dir)
+    target = incomplete_path(directory, rid)
+    record = json.dumps({"rid": rid, "reason": reason, **details}, sort_keys=True)
+    _atomic_write(target, lambda tmp: Path(tmp).write_text(record + "\n"))
+    return target
+
+
+@dataclass
+class Capture:
+    """A capture read back: the two tensors and the metadata."""
+
+    rid: str
+    aux_hidden_states: torch.Tensor
+    last_hidden_states: torch.Tensor
+    aux_layer_ids: list[int]
+    engine: str
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the number of captured positions."""
+        return int(self.last_hidden_states.shape[0])
+
+
+def read_capture(path: str | os.PathLike) -> Capture:
+    """Load a capture file (safetensors: no code is loaded, only tensors)."""
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+        tensors = load_file(str(path))
+    except (OSError, ValueError, RuntimeError) as exc:  # safetensors raises SafetensorError (a ValueError)
+        raise CaptureError(f"{path}: not a readable capture file: {exc}") from exc
+    missing = {"aux_hidden_states", "last_hidden_states"} - set(tensors)
+    if missing:
+        raise CaptureError(f"{path}: capture file lacks {sorted(missing)}")
+    return Capture(
+        rid=metadata.get("rid", path.name[: -len(CAPTURE_SUFFIX)]),
+        aux_hidden_states=tensors["aux_hidden_states"],
+        last_hidden_states=tensors["last_hidden_states"],
+        aux_layer_ids=json.loads(metadata.get("aux_layer_ids", "[]")),
+        engine=metadata.get("engine", "unknown"),
+    )

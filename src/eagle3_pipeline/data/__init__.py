@@ -1,0 +1,1 @@
+"""Datasets: the demo conversations (and, later, extraction's reader and writer)."""

@@ -1,0 +1,1 @@
+"""The reference engine: this project's SGLang-compatible HTTP server on transformers."""

@@ -1,0 +1,1 @@
+"""Models this project builds itself: the embedded tiny target."""

@@ -1,0 +1,1 @@
+"""Serving: SGLang's launch command, and the process supervisor used where systemd is absent."""
