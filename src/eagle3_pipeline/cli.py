@@ -93,10 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     reset.add_argument("-i", "--inventory", type=Path, default=project_root() / "inventory" / "local.yml")
     reset.add_argument("-e", "--extra-var", action="append", default=[], metavar="KEY=VALUE")
     reset.add_argument("--check", action="store_true", help="report what would be stopped, signal nothing")
+    # Only the chosen command's module is imported: the others may need torch, and --help stays fast.
+    given = sys.argv[1:] if argv is None else argv
+    chosen = next((arg for arg in given if not arg.startswith("-")), None)
     modules = {}
     for name, (module_name, help_text) in MODULE_COMMANDS.items():
-        modules[name] = importlib.import_module(module_name)
-        modules[name].configure_parser(sub.add_parser(name, help=help_text, description=help_text))
+        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            modules[name] = importlib.import_module(module_name)
+            modules[name].configure_parser(command_parser)
     args = parser.parse_args(argv)
     if args.command in modules:
         return modules[args.command].run(args)

@@ -1,0 +1,164 @@
+"""Talking to an SGLang-compatible server (SGLang itself or the reference engine) over HTTP.
+
+Plain functions over the standard library, so they run on any managed host: wait until the
+server answers /health (or its process died: then the log's last lines say why), compare the
+live /server_info with what was asked, and send a probe request whose capture file is checked
+by reading the safetensors header (no torch needed).
+"""
+
+from __future__ import absolute_import, division, print_function
+
+import json
+import os
+import struct
+import time
+import uuid
+from urllib.error import HTTPError, URLError
+from urllib.request import Request, urlopen
+
+
+class ServerError(Exception):
+    """The server did not answer as needed; ``str()`` says what and what to do."""
+
+
+def http_json(url, body=None, api_key=None, timeout=10.0):
+    """GET (no body) or POST (JSON body) ``url``; return (status, parsed JSON or text)."""
+    data = None if body is None else json.dumps(body).encode("utf-8")
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = "Bearer %s" % api_key
+    request = Request(url, data=data, headers=headers, method="GET" if body is None else "POST")
+    try:
+        with urlopen(request, timeout=timeout) as response:
+            raw = response.read().decode("utf-8", "replace")
+            status = response.status
+    except HTTPError as exc:
+        raw = exc.read().decode("utf-8", "replace")
+        status = exc.code
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw
+
+
+def log_tail(path, lines=30):
+    """The last lines of a log file, or a note that it cannot be read."""
+    if not path:
+        return "(no log file given)"
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - 64 * 1024))
+            text = handle.read().decode("utf-8", "replace")
+    except OSError as exc:
+        return "(cannot read %s: %s)" % (path, exc)
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def pid_running(pid):
+    """True when the PID runs and is not a zombie."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as handle:
+            state = handle.read().rsplit(b")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in (b"Z", b"X")
+
+
+def wait_ready(base_url, timeout_s, api_key=None, pid=None, log_file=None, poll_s=0.25):
+    """Poll /health until it answers 200; return seconds waited.
+
+    Fails at once, with the log's last lines, when ``pid`` (the server process) has exited,
+    and after ``timeout_s`` otherwise.
+    """
+    start = time.monotonic()
+    last = "no answer yet"
+    while True:
+        if pid and not pid_running(pid):
+            raise ServerError(
+                "the server process %d exited before it was ready; last lines of %s:\n%s"
+                % (pid, log_file, log_tail(log_file))
+            )
+        try:
+            status, body = http_json(base_url + "/health", api_key=api_key, timeout=5.0)
+            if status == 200:
+                return round(time.monotonic() - start, 3)
+            last = "HTTP %d: %s" % (status, str(body)[:200])
+        except (URLError, OSError, ValueError) as exc:
+            last = str(getattr(exc, "reason", exc))
+        if time.monotonic() - start >= timeout_s:
+            raise ServerError(
+                "%s/health did not answer 200 within %s s (last: %s); raise sglang_server_ready_timeout_s "
+                "for a big model, or read the log. Last lines of %s:\n%s"
+                % (base_url, timeout_s, last, log_file, log_tail(log_file))
+            )
+        time.sleep(poll_s)
+
+
+def server_info_mismatches(expected, actual):
+    """Fields of /server_info that differ from what was asked: list of (field, wanted, found)."""
+    missing = object()
+    out = []
+    for field in sorted(expected):
+        found = actual.get(field, missing) if isinstance(actual, dict) else missing
+        if found is missing:
+            out.append((field, expected[field], "absent"))
+        elif found != expected[field]:
+            out.append((field, expected[field], found))
+    return out
+
+
+def safetensors_shapes(path):
+    """{tensor name: shape} from a safetensors file's header, read without torch."""
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        if length > 100 * 1024 * 1024:
+            raise ServerError("%s: safetensors header of %d bytes is not plausible" % (path, length))
+        header = json.loads(handle.read(length).decode("utf-8"))
+    return dict((name, info["shape"]) for name, info in header.items() if name != "__metadata__")
+
+
+def probe(base_url, capture_dir, num_aux, hidden_size, input_ids, api_key=None, timeout_s=120.0):
+    """Send one request and check its capture; return a report dict. Removes the probe's file.
+
+    Checks: prompt_tokens == len(input_ids), cached_tokens == 0, and a capture file with
+    ``aux_hidden_states`` [T, num_aux * H] and ``last_hidden_states`` [T, H].
+    """
+    rid = "eagle3-probe-%s" % uuid.uuid4().hex[:12]
+    body = {"input_ids": list(input_ids), "rid": rid, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+    start = time.monotonic()
+    status, reply = http_json(base_url + "/generate", body, api_key=api_key, timeout=timeout_s)
+    seconds = round(time.monotonic() - start, 3)
+    if status != 200 or not isinstance(reply, dict):
+        raise ServerError("probe request failed: HTTP %d: %s" % (status, str(reply)[:500]))
+    meta = reply.get("meta_info", {})
+    tokens = len(input_ids)
+    problems = []
+    if meta.get("prompt_tokens") != tokens:
+        problems.append("prompt_tokens is %s, sent %d" % (meta.get("prompt_tokens"), tokens))
+    if meta.get("cached_tokens", 0) != 0:
+        problems.append("cached_tokens is %s: a prefix came from the radix cache" % meta.get("cached_tokens"))
+    path = os.path.join(capture_dir, rid + ".safetensors")
+    incomplete = os.path.join(capture_dir, rid + ".incomplete.json")
+    shapes = None
+    deadline = time.monotonic() + 10.0
+    while not os.path.exists(path) and not os.path.exists(incomplete) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if os.path.exists(incomplete):
+        with open(incomplete) as handle:
+            problems.append("the capture was recorded as incomplete: %s" % handle.read().strip())
+        os.unlink(incomplete)
+    elif not os.path.exists(path):
+        problems.append("no capture file %s appeared: is the capture hook loaded?" % path)
+    else:
+        shapes = safetensors_shapes(path)
+        want = {"aux_hidden_states": [tokens, num_aux * hidden_size], "last_hidden_states": [tokens, hidden_size]}
+        for name, shape in want.items():
+            if shapes.get(name) != shape:
+                problems.append("%s has shape %s, expected %s" % (name, shapes.get(name), shape))
+        os.unlink(path)
+    report = {"rid": rid, "tokens": tokens, "seconds": seconds, "capture_shapes": shapes, "problems": problems}
+    if problems:
+        raise ServerError("probe %s: %s" % (rid, "; ".join(problems)))
+    return report

@@ -1,0 +1,153 @@
+"""The server plan: everything the sglang_server role needs to start and verify a server.
+
+One call turns the role's variables into the exact argv to run, the live ``/server_info``
+values that prove the capture settings took effect, the aux layers and sizes a probe checks,
+and the probe's token ids. The role runs ``python -m eagle3_pipeline.serve.plan --json ...``
+on the host and only acts on the result, so all the logic is here, in tested Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from eagle3_pipeline.capture.layers import check_aux_layers, default_aux_layers
+
+ENGINES = ("sglang", "reference")
+# A probe prompt of 32 token ids that exist in any vocabulary larger than 64.
+PROBE_INPUT_IDS = list(range(16, 48))
+# Flags of the reference engine that the role sets itself; extras may not repeat them.
+REFERENCE_OWN_FLAGS = ("--model-path", "--host", "--port", "--capture-dir", "--aux-layers", "--device", "--api-key-env")
+API_KEY_ENV = "EAGLE3_API_KEY"
+
+
+class PlanError(ValueError):
+    """The variables cannot give a working server; the message names the variable and the fix."""
+
+
+def read_model_config(model_path: str) -> dict:
+    """The model's config.json (Hugging Face format)."""
+    path = Path(model_path) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PlanError(
+            f"sglang_server_model_path: {path} does not exist; point it at a Hugging Face model directory "
+            "(or set sglang_server_build_tiny_model: true for the embedded tiny model)"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"sglang_server_model_path: {path} is not valid JSON: {exc}") from exc
+
+
+def _text_config(config: dict) -> dict:
+    """Multimodal configs (e.g. Kimi-K2.5) keep the language model's fields in text_config."""
+    return config.get("text_config") or config
+
+
+def reference_argv(python: str, model_path: str, host: str, port: int, aux_layers: list[int], capture_dir: str,
+                   device: str, api_key: bool, extra_args: list[str]) -> list[str]:
+    """The reference engine's command line."""
+    for arg in extra_args:
+        flag = arg.split("=", 1)[0]
+        if flag in REFERENCE_OWN_FLAGS:
+            raise PlanError(
+                f"sglang_server_extra_args: {flag} is set by the role itself; use the matching sglang_server_* variable"
+            )
+    argv = [python, "-m", "eagle3_pipeline.cli", "serve-reference", "--model-path", model_path, "--host", host,
+            "--port", str(port), "--capture-dir", capture_dir, "--aux-layers", ",".join(map(str, aux_layers)),
+            "--device", device]
+    if api_key:
+        argv += ["--api-key-env", API_KEY_ENV]
+    return argv + list(extra_args)
+
+
+def server_plan(engine: str, python: str, model_path: str, host: str, port: int, capture_dir: str,
+                aux_layers: list[int] | None = None, tp_size: int = 1, device: str = "auto",
+                api_key: bool = False, extra_args: list[str] | None = None) -> dict:
+    """Build the plan (a JSON-ready dict) or raise PlanError."""
+    if engine not in ENGINES:
+        raise PlanError(f"sglang_server_engine: {engine!r} is not one of {', '.join(ENGINES)}")
+    if not 1 <= port <= 65535:
+        raise PlanError(f"sglang_server_port: {port} is not a TCP port")
+    extra_args = [str(a) for a in (extra_args or [])]
+    config = read_model_config(model_path)
+    text = _text_config(config)
+    num_layers, hidden = int(text["num_hidden_layers"]), int(text["hidden_size"])
+    try:
+        aux = check_aux_layers(list(aux_layers), num_layers) if aux_layers else default_aux_layers(num_layers)
+    except ValueError as exc:
+        raise PlanError(f"sglang_server_aux_layers: {exc}") from exc
+    if engine == "reference":
+        if tp_size != 1:
+            raise PlanError("sglang_server_tp_size: the reference engine runs on one device; set it to 1")
+        argv = reference_argv(python, model_path, host, port, aux, capture_dir, device, api_key, extra_args)
+        expected = {
+            "engine": "reference",
+            "model_path": model_path,
+            "disable_radix_cache": True,
+            "chunked_prefill_size": -1,
+            "enable_return_aux_hidden_states": True,
+            "aux_layers": aux,
+        }
+        env = {API_KEY_ENV: None} if api_key else {}
+    else:
+        from eagle3_pipeline.serve import sglang_command  # noqa: PLC0415 - only for the sglang engine
+
+        try:
+            sglang_command.check_extra_args(extra_args)
+            plan = sglang_command.plan(
+                python=python, model_path=model_path, host=host, port=port, tp_size=tp_size, aux_layers=aux,
+                capture_dir=capture_dir, model_type=text.get("model_type") or config.get("model_type"),
+                api_key=api_key, extra_args=extra_args,
+            )
+        except ValueError as exc:
+            raise PlanError(str(exc)) from exc
+        argv, expected, env = plan["argv"], plan["expected_server_info"], plan.get("env", {})
+    return {
+        "engine": engine,
+        "argv": argv,
+        "env_keys": sorted(env),
+        "api_key_env": next(iter(env), None),
+        "expected_server_info": expected,
+        "aux_layers": aux,
+        "num_layers": num_layers,
+        "hidden_size": hidden,
+        "num_aux": len(aux),
+        "probe_input_ids": PROBE_INPUT_IDS,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m eagle3_pipeline.serve.plan --json ...``: print the plan, or the error and exit 2."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", required=True)
+    parser.add_argument("--python", default=sys.executable)
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--capture-dir", required=True)
+    parser.add_argument("--aux-layers", default="", help="comma-separated 0-based layers; empty: the default")
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--api-key", action="store_true", help="an API key will be passed in the environment")
+    parser.add_argument("--extra-args-json", default="[]", help="JSON list of extra arguments")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON (the only output format)")
+    args = parser.parse_args(argv)
+    try:
+        aux = [int(x) for x in args.aux_layers.split(",") if x.strip()]
+        extra = json.loads(args.extra_args_json)
+        if not isinstance(extra, list):
+            raise PlanError("sglang_server_extra_args must be a list of strings, one argument each")
+        plan = server_plan(args.engine, args.python, args.model_path, args.host, args.port, args.capture_dir,
+                           aux, args.tp_size, args.device, args.api_key, extra)
+    except (PlanError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
