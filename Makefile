@@ -8,7 +8,7 @@ export PATH := $(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: venv demo test lint pytest molecule test-gpu bench-gpu clean
+.PHONY: venv venv-sglang demo test lint pytest test-sglang molecule test-gpu clean
 
 $(STAMP): requirements/dev.txt pyproject.toml requirements.yml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ $(STAMP): requirements/dev.txt pyproject.toml requirements.yml
 	touch $@
 
 venv: $(STAMP)
+
+# SGLang's real wheel, without its CUDA dependencies, for the contract tests (tests/sglang).
+venv-sglang: venv
+	tests/sglang/make_venv.sh
 
 demo: venv
 	$(BIN)/ansible-playbook -i inventory/local.yml playbooks/gpu_reset.yml -e gpu_reset_report_dir=$(CURDIR)/output/demo/gpu_reset
@@ -29,16 +33,19 @@ lint: venv
 	$(BIN)/ansible-lint
 
 pytest: venv
-	$(BIN)/pytest tests --ignore=tests/gpu
+	$(BIN)/pytest tests --ignore=tests/gpu --ignore=tests/sglang
+
+test-sglang: venv-sglang
+	.venv-sglang/bin/python -m pytest tests/sglang
 
 molecule: venv
 	$(BIN)/molecule test --all
 
-test: lint pytest molecule
+test: lint pytest test-sglang molecule
 
 # On a machine with an NVIDIA GPU: the python3 found there (no venv: it may reach no registry).
 test-gpu:
 	python3 -m pytest tests/gpu -v -s
 
 clean:
-	rm -rf $(VENV) .collections output .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-sglang .collections output .cache .pytest_cache .ruff_cache

@@ -108,7 +108,37 @@ def nvml_used_mib() -> list[dict]:
 
 def run_playbook(extravars: dict, check: bool = False, timeout_s: float = 300) -> tuple[int, str, float]:
     """Run playbooks/gpu_reset.yml on localhost with ansible-playbook; return (rc, output, seconds)."""
-    cmd = ["ansible-playbook", "-i", str(ROOT / "inventory" / "local.yml"), str(ROOT / "playbooks" / "gpu_reset.yml"),
+    return run_named_playbook("gpu_reset", extravars, check=check, timeout_s=timeout_s)
+
+
+def build_random_llama(path: Path, hidden: int = 2048, layers: int = 16, heads: int = 32, kv_heads: int = 8,
+                       intermediate: int = 5632, vocab: int = 32000) -> Path:
+    """A Llama of about 1.1B parameters (the defaults) with random weights, in bf16, built locally.
+
+    No tokenizer: the reference engine then takes input_ids only, which is all these runs send.
+    """
+    import torch  # noqa: PLC0415
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+
+    if (path / "config.json").exists():
+        return path
+    config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, intermediate_size=intermediate, vocab_size=vocab,
+                         max_position_embeddings=4096, tie_word_embeddings=False, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    # On the CPU: a CUDA context here would make the calling test process a GPU holder itself.
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp)
+    tmp.rename(path)
+    return path
+
+
+def run_named_playbook(
+    name: str, extravars: dict, check: bool = False, timeout_s: float = 600
+) -> tuple[int, str, float]:
+    """Run playbooks/<name>.yml on localhost with ansible-playbook; return (rc, output, seconds)."""
+    cmd = ["ansible-playbook", "-i", str(ROOT / "inventory" / "local.yml"), str(ROOT / "playbooks" / f"{name}.yml"),
            "-e", json.dumps(extravars)]
     if check:
         cmd.append("--check")

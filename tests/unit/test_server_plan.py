@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from eagle3_pipeline.capture.layers import check_aux_layers, default_aux_layers
-from eagle3_pipeline.serve.plan import PlanError, server_plan
+from eagle3_pipeline.capture.layers import check_aux_layers
+from eagle3_pipeline.serve.plan import PlanError, server_plan, write_secret
 
 
 @pytest.fixture
@@ -20,25 +20,17 @@ def model_dir(tmp_path):
     return path
 
 
-def test_default_aux_layers_follow_eagle3s_choice():
-    assert default_aux_layers(61) == [1, 29, 57]
-    assert default_aux_layers(32) == [1, 15, 28]
-    assert default_aux_layers(4) == [0, 1]  # [1, 1, 0] clamped and deduplicated
-    with pytest.raises(ValueError, match="0 decoder layers"):
-        default_aux_layers(0)
-
-
 def test_explicit_aux_layers_are_checked_against_the_model():
-    assert check_aux_layers([0, 3, 7], 8) == [0, 3, 7]
-    with pytest.raises(ValueError, match="0 to 7"):
-        check_aux_layers([1, 8], 8)
-    with pytest.raises(ValueError, match="repeat"):
-        check_aux_layers([1, 1], 8)
+    assert check_aux_layers([0, 3, 6], 8) == [0, 3, 6]
+    with pytest.raises(ValueError, match=r"use 0\.\.6"):
+        check_aux_layers([1, 7], 8)
+    with pytest.raises(ValueError, match="empty"):
+        check_aux_layers([], 8)
 
 
 def test_reference_plan_has_the_capture_settings_and_probe(model_dir, tmp_path):
     plan = server_plan("reference", "/venv/bin/python", str(model_dir), "127.0.0.1", 30080, str(tmp_path / "cap"))
-    assert plan["aux_layers"] == [1, 3, 4]
+    assert plan["aux_layers"] == [1, 3, 4]  # [1, L/2 - 1, L - 4] for L = 8
     assert plan["hidden_size"] == 64 and plan["num_aux"] == 3
     argv = plan["argv"]
     assert argv[:4] == ["/venv/bin/python", "-m", "eagle3_pipeline.cli", "serve-reference"]
@@ -46,9 +38,36 @@ def test_reference_plan_has_the_capture_settings_and_probe(model_dir, tmp_path):
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
     assert plan["expected_server_info"]["disable_radix_cache"] is True
     assert plan["expected_server_info"]["chunked_prefill_size"] == -1
-    assert "--api-key-env" not in argv and plan["api_key_env"] is None
-    with_key = server_plan("reference", "py", str(model_dir), "127.0.0.1", 30080, "c", api_key=True)
-    assert with_key["argv"][with_key["argv"].index("--api-key-env") + 1] == with_key["api_key_env"]
+    assert "--api-key-env" not in argv and plan["secret_format"] is None
+    with_key = server_plan("reference", "py", str(model_dir), "127.0.0.1", 30080, "c", api_key_file="/s/k.env")
+    assert with_key["argv"][with_key["argv"].index("--api-key-env") + 1] == "EAGLE3_API_KEY"
+    assert with_key["secret_format"] == "env"
+
+
+def test_sglang_plan_keeps_the_key_out_of_argv_and_refuses_unsafe_extras(model_dir):
+    plan = server_plan("sglang", "py", str(model_dir), "127.0.0.1", 30000, "/dev/shm/c", api_key_file="/s/k.yaml")
+    assert plan["argv"][1:3] == ["-m", "sglang.launch_server"]
+    assert plan["argv"][plan["argv"].index("--config") + 1] == "/s/k.yaml"
+    assert plan["secret_format"] == "sglang_config"
+    assert plan["expected_server_info"]["disable_radix_cache"] is True
+    flag = "--disaggregation-decode-enable-radix-cache"
+    with pytest.raises(PlanError, match=f"sglang_server_extra_args: .*{flag}"):
+        server_plan("sglang", "py", str(model_dir), "127.0.0.1", 30000, "c", extra_args=[flag])
+
+
+def test_secret_file_is_private_and_idempotent(tmp_path):
+    path = tmp_path / "s" / "key.env"
+    assert write_secret(str(path), "env", "k1") is True
+    assert path.read_text() == "EAGLE3_API_KEY=k1\n"
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert write_secret(str(path), "env", "k1") is False
+    assert write_secret(str(path), "env", "k2") is True
+    done = subprocess.run([sys.executable, "-m", "eagle3_pipeline.serve.plan", "write-secret", "--path",
+                           str(tmp_path / "k.yaml"), "--format", "sglang_config"], input="k3\n",
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and json.loads(done.stdout)["changed"] is True
+    assert (tmp_path / "k.yaml").read_text() == 'api-key: "k3"\n'
+    assert "k3" not in done.stdout
 
 
 @pytest.mark.parametrize(

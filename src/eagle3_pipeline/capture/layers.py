@@ -1,30 +1,39 @@
 """Which decoder layers' outputs are captured for EAGLE-3 (our convention: 0-based layer
-indices whose OUTPUT is captured, i.e. Hugging Face ``hidden_states[i + 1]``)."""
+indices whose OUTPUT is captured, i.e. Hugging Face ``hidden_states[i + 1]``).
+
+SGLang's ``LlamaForCausalLM.set_eagle3_layers_to_capture`` (0.5.23) adds 1 to the ids it is
+given and captures before those layers, so for Llama its ids equal ours; with no ids it
+captures before layers ``[2, L // 2, L - 3]``, i.e. the outputs of ``[1, L // 2 - 1, L - 4]``.
+The last layer's output cannot be an aux layer: Hugging Face reports it after the final
+norm (it is captured as ``last_hidden_states``) and SGLang does not capture it either.
+"""
 
 from __future__ import annotations
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's usual choice: an early, a middle and a late layer, [1, L/2 - 1, L - 4].
+    """EAGLE-3's usual three aux layers, in this project's convention (0-based, output of the layer).
 
-    For a 61-layer model that is [1, 29, 57]; for small models the picks are clamped into
-    range and kept distinct and sorted.
+    SGLang's ``LlamaForCausalLM.set_eagle3_layers_to_capture`` defaults to capturing before
+    layers ``[2, L // 2, L - 3]``, i.e. the outputs of layers ``[1, L // 2 - 1, L - 4]``. Each
+    id is clamped to ``[0, L - 2]`` (the last layer's output is not capturable, see the module
+    docstring); duplicates are kept so the drafter always sees 3 x hidden.
     """
-    if num_layers < 1:
-        raise ValueError(f"a model with {num_layers} decoder layers has nothing to capture")
-    picks = [1, num_layers // 2 - 1, num_layers - 4]
-    return sorted({min(max(i, 0), num_layers - 1) for i in picks})
+    if num_layers < 2:
+        raise ValueError(f"the model has {num_layers} decoder layer(s); EAGLE-3 capture needs at least 2")
+    return [min(max(i, 0), num_layers - 2) for i in (1, num_layers // 2 - 1, num_layers - 4)]
 
 
 def check_aux_layers(aux_layers: list[int], num_layers: int) -> list[int]:
-    """Validate explicit aux layers against the model; raise ValueError naming the bad one."""
+    """Refuse aux layer ids outside ``[0, L - 2]``, with the reason and the valid range."""
     if not aux_layers:
-        raise ValueError("aux layers: the list is empty")
+        raise ValueError("--aux-layers is empty: give at least one 0-based decoder layer index, e.g. 1,3,5")
     for layer in aux_layers:
-        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < num_layers:
+        if not 0 <= layer <= num_layers - 2:
             raise ValueError(
-                f"aux layer {layer!r} is not a decoder layer of this model (0-based, 0 to {num_layers - 1})"
+                f"aux layer {layer} is out of range for a model with {num_layers} decoder layers: "
+                f"use 0..{num_layers - 2} "
+                f"(0-based; the output of layer {num_layers - 1} feeds the final norm and is captured as "
+                "last_hidden_states after that norm)"
             )
-    if len(set(aux_layers)) != len(aux_layers):
-        raise ValueError(f"aux layers {aux_layers} repeat a layer")
     return list(aux_layers)

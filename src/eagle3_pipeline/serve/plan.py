@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -20,7 +21,7 @@ ENGINES = ("sglang", "reference")
 PROBE_INPUT_IDS = list(range(16, 48))
 # Flags of the reference engine that the role sets itself; extras may not repeat them.
 REFERENCE_OWN_FLAGS = ("--model-path", "--host", "--port", "--capture-dir", "--aux-layers", "--device", "--api-key-env")
-API_KEY_ENV = "EAGLE3_API_KEY"
+API_KEY_ENV = "EAGLE3_API_KEY"  # the reference engine reads its key from this variable
 
 
 class PlanError(ValueError):
@@ -65,8 +66,14 @@ def reference_argv(python: str, model_path: str, host: str, port: int, aux_layer
 
 def server_plan(engine: str, python: str, model_path: str, host: str, port: int, capture_dir: str,
                 aux_layers: list[int] | None = None, tp_size: int = 1, device: str = "auto",
-                api_key: bool = False, extra_args: list[str] | None = None) -> dict:
-    """Build the plan (a JSON-ready dict) or raise PlanError."""
+                api_key_file: str | None = None, extra_args: list[str] | None = None) -> dict:
+    """Build the plan (a JSON-ready dict) or raise PlanError.
+
+    ``api_key_file`` is where the role will write the API key (never argv): for the reference
+    engine an env file handed to the supervisor, for SGLang (which reads no key from the
+    environment) a YAML file given to ``--config``. Its format is the plan's ``secret_format``.
+    """
+    api_key = api_key_file is not None
     if engine not in ENGINES:
         raise PlanError(f"sglang_server_engine: {engine!r} is not one of {', '.join(ENGINES)}")
     if not 1 <= port <= 65535:
@@ -91,25 +98,31 @@ def server_plan(engine: str, python: str, model_path: str, host: str, port: int,
             "enable_return_aux_hidden_states": True,
             "aux_layers": aux,
         }
-        env = {API_KEY_ENV: None} if api_key else {}
+        secret_format = "env" if api_key else None
     else:
         from eagle3_pipeline.serve import sglang_command  # noqa: PLC0415 - only for the sglang engine
 
+        model_type = config.get("model_type") or text.get("model_type")
         try:
             sglang_command.check_extra_args(extra_args)
-            plan = sglang_command.plan(
-                python=python, model_path=model_path, host=host, port=port, tp_size=tp_size, aux_layers=aux,
-                capture_dir=capture_dir, model_type=text.get("model_type") or config.get("model_type"),
-                api_key=api_key, extra_args=extra_args,
+        except ValueError as exc:
+            raise PlanError(f"sglang_server_extra_args: {exc}") from exc
+        try:
+            argv = sglang_command.launch_argv(
+                python, model_path, host, port, tp_size, aux, capture_dir, model_type=model_type,
+                extra_args=extra_args, api_key_config=api_key_file, num_hidden_layers=num_layers,
+            )
+            expected = sglang_command.expected_server_info(
+                model_path, port, tp_size, aux, capture_dir, model_type=model_type, num_hidden_layers=num_layers
             )
         except ValueError as exc:
-            raise PlanError(str(exc)) from exc
-        argv, expected, env = plan["argv"], plan["expected_server_info"], plan.get("env", {})
+            raise PlanError(f"sglang_server_aux_layers: {exc}") from exc
+        secret_format = "sglang_config" if api_key else None
     return {
         "engine": engine,
         "argv": argv,
-        "env_keys": sorted(env),
-        "api_key_env": next(iter(env), None),
+        "secret_format": secret_format,
+        "api_key_file": api_key_file,
         "expected_server_info": expected,
         "aux_layers": aux,
         "num_layers": num_layers,
@@ -119,8 +132,40 @@ def server_plan(engine: str, python: str, model_path: str, host: str, port: int,
     }
 
 
+def secret_text(secret_format: str, api_key: str) -> str:
+    """The API key file's content: an env file line, or SGLang's --config YAML."""
+    if not api_key or "\n" in api_key:
+        raise PlanError("sglang_server_api_key must be a non-empty single line")
+    if secret_format == "env":
+        return f"{API_KEY_ENV}={api_key}\n"
+    if secret_format == "sglang_config":
+        from eagle3_pipeline.serve.sglang_command import api_key_config_text  # noqa: PLC0415
+
+        return api_key_config_text(api_key)
+    raise PlanError(f"unknown secret format {secret_format!r}")
+
+
+def write_secret(path: str, secret_format: str, api_key: str) -> bool:
+    """Write the key file (mode 0600, atomically); return whether its content changed."""
+    text = secret_text(secret_format, api_key)
+    target = Path(path)
+    if target.exists() and target.read_text() == text and (target.stat().st_mode & 0o777) == 0o600:
+        return False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as handle:
+        handle.write(text)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, target)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m eagle3_pipeline.serve.plan --json ...``: print the plan, or the error and exit 2."""
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["write-secret"]:
+        return _write_secret_main(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", required=True)
     parser.add_argument("--python", default=sys.executable)
@@ -131,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--aux-layers", default="", help="comma-separated 0-based layers; empty: the default")
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--api-key", action="store_true", help="an API key will be passed in the environment")
+    parser.add_argument("--api-key-file", default="", help="where the role writes the API key; empty: no key")
     parser.add_argument("--extra-args-json", default="[]", help="JSON list of extra arguments")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (the only output format)")
     args = parser.parse_args(argv)
@@ -141,11 +186,26 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(extra, list):
             raise PlanError("sglang_server_extra_args must be a list of strings, one argument each")
         plan = server_plan(args.engine, args.python, args.model_path, args.host, args.port, args.capture_dir,
-                           aux, args.tp_size, args.device, args.api_key, extra)
+                           aux, args.tp_size, args.device, args.api_key_file or None, extra)
     except (PlanError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(plan, sort_keys=True))
+    return 0
+
+
+def _write_secret_main(argv: list[str]) -> int:
+    """``plan write-secret --path P --format F``: the key comes on standard input, never argv."""
+    parser = argparse.ArgumentParser(prog="plan write-secret")
+    parser.add_argument("--path", required=True)
+    parser.add_argument("--format", required=True, choices=["env", "sglang_config"])
+    args = parser.parse_args(argv)
+    try:
+        changed = write_secret(args.path, args.format, sys.stdin.read().strip("\n"))
+    except PlanError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({"changed": changed, "path": args.path}))
     return 0
 
 

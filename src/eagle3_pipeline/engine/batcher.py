@@ -1,0 +1,455 @@
+"""The reference engine's model side: batched prefill with capture, then greedy (or seeded) decoding.
+
+``ModelRunner`` holds a transformers causal LM and turns a list of ``GenerateJob`` into
+``GenerateOutcome``: one right-padded prefill for the whole batch (attention mask over the
+padding; each request's rows sliced out without padding), the request's capture written with
+the project's writer right after the prefill, then decoding of every request of the batch
+together with the KV cache, each row at its own positions. ``BatchWorker`` is the one thread
+that owns the model: it takes jobs from a queue, groups what is queued and, under concurrent
+load, what arrives within ``batch_wait_ms`` (up to ``max_batch_size``), and resolves each job's
+future once its capture is on disk.
+
+Hidden-state conventions (checked against transformers 5.24's ``LlamaModel`` and
+``utils/output_capturing.capture_outputs``):
+
+- ``aux_hidden_states`` = concat over the aux layers ``i`` (0-based decoder layers) of HF
+  ``hidden_states[i + 1]``, the residual stream after layer ``i``.
+- ``last_hidden_states`` = ``last_hidden_state`` of the decoder, i.e. after the final norm: what
+  ``lm_head`` reads. (``capture_outputs`` also overwrites ``hidden_states[-1]`` with it, so
+  ``hidden_states[L]`` is post-norm and NOT the raw output of layer ``L - 1``; that is why
+  layer ``L - 1`` is refused as an aux layer: SGLang's EAGLE-3 capture, which takes the state
+  before layer ``id + 1``, cannot capture it either.)
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+from eagle3_pipeline.capture.layers import check_aux_layers, default_aux_layers
+
+LOG = logging.getLogger("eagle3_pipeline.engine")
+
+CAPTURE_ENGINE = "reference"
+CAPTURE_WRITERS = 4
+
+
+class ServiceUnavailable(RuntimeError):
+    """The worker is shutting down (or gone): the job was not run."""
+
+
+
+
+@dataclass
+class SamplingConfig:
+    """The sampling parameters the reference engine implements (SGLang's names and defaults)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: whole vocabulary
+    min_new_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    sampling_seed: int | None = None
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        """SGLang treats temperature ~0 (and top_k 1) as greedy argmax."""
+        return self.temperature < 1e-6 or self.top_k == 1
+
+
+@dataclass
+class GenerateJob:
+    """One request for the model worker: token ids in, a future resolved with a ``GenerateOutcome``."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # resolved by the caller: -1 or T = no input logprobs
+    top_logprobs_num: int = 0
+    capture: bool = True  # False for health checks
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
+class GenerateOutcome:
+    """What the model produced for one job; logprobs as (value, token id) pairs, SGLang's layout."""
+
+    output_ids: list[int]
+    finish_reason: dict
+    input_token_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    output_token_logprobs: list[tuple[float, int]] | None = None
+    output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    capture_path: Path | None = None
+    capture_write: Future | None = None  # the capture file being written, off the model thread
+    error: Exception | None = None  # the capture could not be written: this request fails alone
+
+
+@dataclass
+class PrefillRow:
+    """One request's prefill, padding removed: aux [T, n_aux*H], last [T, H], and logits rows."""
+
+    aux_hidden_states: object  # torch.Tensor
+    last_hidden_states: object  # torch.Tensor
+    logits: object  # torch.Tensor [n, V] float32 for positions logits_start..T-1
+    logits_start: int
+
+
+def _answer(job, outcome: GenerateOutcome, write: Future | None = None) -> None:
+    """Resolve a job's future once its capture (if any) is written; a failed write fails it alone."""
+    if write is not None:
+        try:
+            outcome.capture_path = write.result()
+        except (OSError, ValueError) as exc:  # disk full, bad rid
+            outcome.error = exc
+    if outcome.error is not None:
+        job.future.set_exception(outcome.error)
+    else:
+        job.future.set_result(outcome)
+
+
+def _top(logprobs_row, k: int) -> list[tuple[float, int]]:
+    values, indices = logprobs_row.topk(k)
+    return list(zip(values.tolist(), indices.tolist()))
+
+
+class ModelRunner:
+    """A causal LM loaded from local HF files, run as batched prefill + batched decode."""
+
+    def __init__(self, model_path: str, device: str = "auto", dtype: str = "auto", aux_layers=None, capture_dir=None):
+        import torch  # noqa: PLC0415 - torch is only needed when serving
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+        self.torch = torch
+        self.model_path = str(model_path)
+        # Capture files are written by these threads while the model thread runs the next
+        # batch; a request is answered only once its file is in place.
+        self.capture_writer = ThreadPoolExecutor(max_workers=CAPTURE_WRITERS, thread_name_prefix="capture-writer")
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for, but torch sees no CUDA device; use --device cpu")
+        self.device = torch.device(device)
+        if dtype == "auto":
+            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.dtype_name = dtype
+        self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        if not (Path(self.model_path) / "config.json").is_file():
+            raise ValueError(
+                f"--model-path {self.model_path}: no config.json there (a local HF-format directory is needed)"
+            )
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, local_files_only=True)
+        self.model.to(self.device).eval()
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            LOG.warning("no tokenizer loaded from %s (%s): requests must send input_ids; text comes back empty",
+                        self.model_path, exc)
+            self.tokenizer = None
+        config = self.model.config
+        self.num_layers = int(config.num_hidden_layers)
+        self.hidden_size = int(config.hidden_size)
+        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0) or 1 << 30
+        self.aux_layers = check_aux_layers(
+            list(aux_layers) if aux_layers is not None else default_aux_layers(self.num_layers), self.num_layers
+        )
+        self.capture_dir = Path(capture_dir) if capture_dir is not None else None
+        self.decoder = self.model.get_decoder()
+        self.lm_head = self.model.get_output_embeddings()
+        self.eos_token_ids = self._eos_token_ids()
+        self._check_logits_from_last_hidden_state()
+
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        sources = [getattr(self.model.config, "eos_token_id", None)]
+        generation_config = getattr(self.model, "generation_config", None)
+        if generation_config is not None:
+            sources.append(generation_config.eos_token_id)
+        if self.tokenizer is not None:
+            sources.append(self.tokenizer.eos_token_id)
+        for value in sources:
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        return ids
+
+    def _check_logits_from_last_hidden_state(self) -> None:
+        """Refuse models whose logits are not ``lm_head(last_hidden_state)`` (softcapping, scaling...).
+
+        The capture's ``last_hidden_states`` must reproduce the engine's own top-1 through lm_head.
+        """
+        torch = self.torch
+        ids = torch.arange(min(8, self.vocab_size, self.context_length - 1), device=self.device).unsqueeze(0)
+        with torch.inference_mode():
+            full = self.model(input_ids=ids).logits.float()
+            ours = self.lm_head(self.decoder(input_ids=ids).last_hidden_state).float()
+        if not torch.allclose(full, ours, rtol=1e-3, atol=1e-3):
+            raise ValueError(
+                f"{self.model_path}: the model's logits are not lm_head(final hidden state) "
+                f"(max difference {(full - ours).abs().max().item():.3g}); "
+                "the reference engine cannot capture it faithfully"
+            )
+
+    # -- prefill -------------------------------------------------------------------------
+    def prefill(self, jobs: list[GenerateJob]):
+        """One right-padded forward over all jobs; returns (rows, cache, lengths)."""
+        torch = self.torch
+        lengths = [len(job.input_ids) for job in jobs]
+        width = max(lengths)
+        ids = torch.zeros((len(jobs), width), dtype=torch.long)
+        mask = torch.zeros((len(jobs), width), dtype=torch.long)
+        for b, job in enumerate(jobs):
+            ids[b, : lengths[b]] = torch.tensor(job.input_ids, dtype=torch.long)
+            mask[b, : lengths[b]] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        cache = self._new_cache()
+        wanted = [i + 1 for i in self.aux_layers]
+        out = self.decoder(
+            input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, output_hidden_states=wanted
+        )
+        hidden = out.hidden_states
+        rows = []
+        for b, job in enumerate(jobs):
+            length = lengths[b]
+            aux = torch.cat([hidden[i + 1][b, :length] for i in self.aux_layers], dim=-1)  # [T, n_aux*H]
+            last = out.last_hidden_state[b, :length]  # [T, H], post-norm
+            # Logits for the input logprobs (from logprob_start_len) and for the first output token.
+            start = length - 1
+            if job.return_logprob and 0 <= job.logprob_start_len < length:
+                start = job.logprob_start_len
+            logits = self.lm_head(last[start:]).float()  # [T - start, V]
+            rows.append(PrefillRow(aux, last, logits, start))
+        return rows, cache, mask, lengths
+
+    def _new_cache(self):
+        from transformers import DynamicCache  # noqa: PLC0415
+
+        return DynamicCache(config=self.model.config)
+
+    # -- the whole batch -----------------------------------------------------------------
+    def run_batch(self, jobs: list[GenerateJob]) -> list[GenerateOutcome]:
+        """Prefill (capturing each request), then decode every job to its stop; outcomes in job order."""
+        torch = self.torch
+        with torch.inference_mode():
+            rows, cache, mask, lengths = self.prefill(jobs)
+            outcomes = []
+            for job, row in zip(jobs, rows):
+                outcome = GenerateOutcome(output_ids=[], finish_reason={"type": "length", "length": 0})
+                if job.capture and self.capture_dir is not None:
+                    from eagle3_pipeline.capture.writer import write_capture  # noqa: PLC0415
+
+                    # The writer thread copies the rows off the GPU too, so the model thread goes
+                    # straight on to the next batch (the copy queues behind it on the stream).
+                    outcome.capture_write = self.capture_writer.submit(
+                        write_capture, self.capture_dir, job.rid, row.aux_hidden_states,
+                        row.last_hidden_states, self.aux_layers, engine=CAPTURE_ENGINE,
+                    )
+                if job.return_logprob:
+                    self._input_logprobs(job, row, outcome)
+                    outcome.output_token_logprobs = []
+                    if job.top_logprobs_num > 0:
+                        outcome.output_top_logprobs = []
+                outcomes.append(outcome)
+            self._decode(jobs, rows, outcomes, cache, mask, lengths)
+        return outcomes
+
+    def _input_logprobs(self, job: GenerateJob, row: PrefillRow, outcome: GenerateOutcome) -> None:
+        """SGLang's input logprob layout (logprob_result_processor): entry j is for token s + j,
+
+        scored by the logits at position s + j - 1; entry 0 has no score (None), and the logits of
+        the last prompt position belong to the first output token instead.
+        """
+        length = len(job.input_ids)
+        start = job.logprob_start_len
+        if not 0 <= start < length:
+            outcome.input_token_logprobs = []
+            outcome.input_top_logprobs = [] if job.top_logprobs_num > 0 else None
+            return
+        logprobs = row.logits[: length - 1 - start].log_softmax(-1)  # positions s..T-2
+        targets = job.input_ids[start + 1 :]
+        values = logprobs.gather(1, self.torch.tensor(targets, device=logprobs.device).unsqueeze(1)).squeeze(1)
+        outcome.input_token_logprobs = [(None, job.input_ids[start])] + list(zip(values.tolist(), targets))
+        if job.top_logprobs_num > 0:
+            k = min(job.top_logprobs_num, self.vocab_size)
+            outcome.input_top_logprobs = [None] + [_top(r, k) for r in logprobs]
+
+    # -- decode --------------------------------------------------------------------------
+    def _choose(self, logits_row, sampling: SamplingConfig, generator) -> int:
+        torch = self.torch
+        if sampling.greedy:
+            return int(logits_row.argmax())
+        scores = logits_row / sampling.temperature
+        if 0 < sampling.top_k < scores.numel():
+            kth = scores.topk(sampling.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if sampling.top_p < 1.0:
+            ordered, order = scores.sort(descending=True)
+            probs = ordered.softmax(-1)
+            drop = probs.cumsum(-1) - probs > sampling.top_p  # keep the smallest prefix reaching top_p
+            scores = scores.scatter(0, order, ordered.masked_fill(drop, float("-inf")))
+        probs = scores.softmax(-1).cpu()
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    def _decode(self, jobs, rows, outcomes, cache, mask, lengths) -> None:
+        torch = self.torch
+        generators = []
+        for job in jobs:
+            generator = None
+            if not job.sampling.greedy:
+                generator = torch.Generator()
+                seed = job.sampling.sampling_seed
+                generator.manual_seed(seed if seed is not None else torch.seed())
+            generators.append(generator)
+        active = [job.sampling.max_new_tokens > 0 for job in jobs]
+        last_logits = [row.logits[-1] for row in rows]  # logits of the last prompt position
+        step = 0
+        while any(active):
+            next_ids = []
+            for b, job in enumerate(jobs):
+                token = 0
+                if active[b]:
+                    token = self._choose(last_logits[b], job.sampling, generators[b])
+                    self._record(job, outcomes[b], last_logits[b], token)
+                    active[b] = not self._finished(job, outcomes[b], token)
+                next_ids.append(token)
+            if not any(active):
+                break
+            # One decode step for the whole batch: each row at its own next position; the right
+            # padding of the prefill stays masked out.
+            positions = torch.tensor([[lengths[b] + step] for b in range(len(jobs))], device=self.device)
+            mask = torch.cat([mask, torch.ones((len(jobs), 1), dtype=mask.dtype, device=self.device)], dim=1)
+            out = self.decoder(
+                input_ids=torch.tensor(next_ids, device=self.device).unsqueeze(1),
+                attention_mask=mask,
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+            )
+            logits = self.lm_head(out.last_hidden_state[:, -1]).float()  # [B, V]
+            last_logits = list(logits)
+            step += 1
+
+    def _record(self, job: GenerateJob, outcome: GenerateOutcome, logits_row, token: int) -> None:
+        outcome.output_ids.append(token)
+        if job.return_logprob:
+            logprobs = logits_row.log_softmax(-1)
+            outcome.output_token_logprobs.append((float(logprobs[token]), token))
+            if job.top_logprobs_num > 0:
+                outcome.output_top_logprobs.append(_top(logprobs, min(job.top_logprobs_num, self.vocab_size)))
+
+    def _finished(self, job: GenerateJob, outcome: GenerateOutcome, token: int) -> bool:
+        """SGLang's finish reasons: a stop token is FINISH_MATCHED_TOKEN, the budget FINISH_LENGTH."""
+        sampling = job.sampling
+        produced = len(outcome.output_ids)
+        if produced >= sampling.min_new_tokens:
+            if token in sampling.stop_token_ids or (not sampling.ignore_eos and token in self.eos_token_ids):
+                outcome.finish_reason = {"type": "stop", "matched": token}
+                return True
+        if produced >= sampling.max_new_tokens:
+            outcome.finish_reason = {"type": "length", "length": sampling.max_new_tokens}
+            return True
+        return False
+
+
+class BatchWorker:
+    """The single thread that owns the model: queue in, batches of up to ``max_batch_size`` run."""
+
+    def __init__(self, runner: ModelRunner, max_batch_size: int = 8, batch_wait_ms: float = 5.0):
+        self.runner = runner
+        self.max_batch_size = max(1, int(max_batch_size))
+        self.batch_wait_s = max(0.0, float(batch_wait_ms)) / 1000.0
+        self._queue: queue.Queue[GenerateJob] = queue.Queue()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="model-worker", daemon=True)
+        self._last_batch_size = 0
+        self.batches = 0
+        self.requests = 0
+
+    def start(self) -> BatchWorker:
+        """Start the worker thread."""
+        self._thread.start()
+        return self
+
+    def submit(self, job: GenerateJob) -> Future:
+        """Queue a job; its future gets a ``GenerateOutcome`` or an exception."""
+        if self._stopping.is_set():
+            raise ServiceUnavailable("the server is shutting down")
+        self._queue.put(job)
+        return job.future
+
+    def _next_batch(self) -> list[GenerateJob] | None:
+        try:
+            batch = [self._queue.get(timeout=0.1)]
+        except queue.Empty:
+            return None
+        # Wait for companions only under concurrent load (the last batch had several requests):
+        # a lone client would otherwise pay batch_wait_ms on every request.
+        wait = self.batch_wait_s if self._last_batch_size > 1 else 0.0
+        deadline = time.monotonic() + wait
+        while len(batch) < self.max_batch_size:
+            try:
+                batch.append(self._queue.get_nowait())
+                continue
+            except queue.Empty:
+                pass
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                batch.append(self._queue.get(timeout=remaining))
+            except queue.Empty:
+                break
+        self._last_batch_size = len(batch)
+        return batch
+
+    def _loop(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                if self._stopping.is_set():
+                    return
+                continue
+            started = time.monotonic()
+            try:
+                outcomes = self.runner.run_batch(batch)
+            except Exception as exc:  # noqa: BLE001 - one failed batch must not stop the server
+                LOG.exception("batch of %d request(s) failed: %s", len(batch), exc)
+                for job in batch:
+                    job.future.set_exception(exc)
+                continue
+            for job, outcome in zip(batch, outcomes):
+                if outcome.capture_write is None:
+                    _answer(job, outcome)
+                else:
+                    outcome.capture_write.add_done_callback(partial(_answer, job, outcome))
+            self.batches += 1
+            self.requests += len(batch)
+            LOG.debug("batch of %d request(s), %d prompt tokens, in %.1f ms", len(batch),
+                      sum(len(job.input_ids) for job in batch), 1000 * (time.monotonic() - started))
+
+    def stop(self, grace_s: float = 30.0) -> int:
+        """Finish queued and running jobs within ``grace_s``; fail what is left; return how many failed."""
+        self._stopping.set()
+        self._thread.join(timeout=grace_s)
+        self.runner.capture_writer.shutdown(wait=True)  # every capture file started is finished
+        failed = 0
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            job.future.set_exception(ServiceUnavailable("the server shut down before running this request"))
+            failed += 1
+        return failed

@@ -1,0 +1,421 @@
+"""The SGLang 0.5.23 launch command for full-sequence hidden-state capture, and its checks.
+
+Plain functions over values (no torch, no sglang import), so the role can call
+``python -m eagle3_pipeline.serve.sglang_command --json ...`` on the host and tests can call them
+directly. Every fact below was read in the SGLang 0.5.23 wheel (paths under ``sglang/srt/``); the
+contract tests in ``tests/sglang/`` check the parser-level ones against the real wheel.
+
+Flags (``server_args.py`` + ``arg_groups/fields/*.py``):
+
+- ``--disable-radix-cache`` (fields/memory.py ``disable_radix_cache``): no prefix reuse, so every
+  prompt token is computed in this request's own EXTEND pass.
+- ``--chunked-prefill-size -1`` (fields/schedule.py ``chunked_prefill_size``;
+  managers/scheduler.py turns a value <= 0 into ``None``: no chunking).
+- CUDA graphs off: ``--disable-cuda-graph`` is deprecated in 0.5.23 (server_args.py
+  ``ServerArgs.add_cli_args`` registers it with ``DeprecatedStoreTrueAction`` pointing at
+  ``--cuda-graph-backend-{decode,prefill}=disabled``), so we pass
+  ``--cuda-graph-backend-prefill disabled --cuda-graph-backend-decode disabled``
+  (fields/exec_.py ``ExecGraph``). ``--cuda-graph-config`` JSON wins over those flags
+  (its help text), hence it is refused in extras. Graphs matter because forward hooks are
+  registered after graph capture and never run inside a replay
+  (model_executor/model_runner_components/cuda_graph_setup.py ``finalize_cuda_graph_capture``).
+- ``--disable-custom-all-reduce`` (fields/exec_.py ``ExecComm``).
+- ``--enable-return-aux-hidden-states`` NEEDS ``--speculative-algorithm EAGLE3``: in capture
+  mode the algorithm only names the capture convention and resolution resets it to ``None``
+  (arg_groups/validation_hook.py ``handle_aux_hidden_state_capture``: EAGLE3, DFLASH or DSPARK;
+  a draft model path or ``pp_size != 1`` is refused; ids must be non-empty, non-negative and
+  unique; EAGLE3 alone may omit them and then gets the model's default layers).
+  ``/server_info`` therefore shows ``speculative_algorithm: null`` and
+  ``aux_hidden_state_capture: "eagle3"``.
+- ``--return-aux-hidden-state-layer-ids`` takes space-separated ints (``nargs='+'``, type int);
+  each must be < num_hidden_layers (model_executor/model_runner_components/
+  spec_aux_hidden_state.py ``_check_capture_layer_ids_in_range``).
+- ``--forward-hooks`` takes a JSON list (utils/common.py ``json_list_type``) of
+  ``{"name", "target_modules": [fnmatch patterns], "hook_factory": "module:callable",
+  "config": {...}}`` (model_executor/hook_manager.py ``register_forward_hooks``).
+
+Layer ids. DESIGN.md's ``aux_layers`` are 0-based decoder layers whose OUTPUT is captured
+(HF ``hidden_states[i + 1]``). SGLang's meaning differs per model class:
+
+- llama (models/llama.py ``LlamaForCausalLM.set_eagle3_layers_to_capture``): with explicit ids,
+  ``layers_to_capture = [id + 1 ...]``, and ``LlamaModel.forward`` captures the INPUT of each
+  layer in ``layers_to_capture`` (``LlamaDecoderLayer.forward``:
+  ``attn_boundary.prepare(..., capture=capture_output)``), i.e. the output of layer ``id``.
+  So SGLang id == our id. The last layer (num_hidden_layers - 1) cannot be captured: no layer
+  follows it (layers/logits_processor.py ``_check_aux_hidden_states`` fails the first forward).
+- deepseek_v2 / deepseek_v3 / kimi_k2 / kimi_k25 (models/deepseek_v2.py
+  ``DeepseekV2ForCausalLM.set_eagle3_layers_to_capture``, used through
+  models/kimi_k25.py ``KimiK25ForConditionalGeneration.set_eagle3_layers_to_capture``):
+  ``layers_to_capture = [id + 1 ...]`` only when ``ids[0] == 1``, else ``list(ids)``; the
+  decoder layer captures its INPUT (``DeepseekV2DecoderLayer.forward``:
+  ``attn_boundary.prepare(..., capture_gathered=captured_last_layer_outputs)``). We always pass
+  ``[a + 1 for a in aux_layers]``: it never starts with 1 unless aux_layers starts with 0, which
+  is refused (that set is not expressible through this rule in sorted order).
+- Captures are appended in layer order (the decoder loop), so aux_layers must be ascending.
+
+API key. SGLang 0.5.23 has no environment variable for the API key (fields/serving.py
+``api_key`` is only ``--api-key``; environ.py has none). ``prepare_server_args`` merges a YAML
+``--config FILE`` into argv in memory (utils/server_args_config_parser.py
+``ConfigArgumentMerger``: suffix .yaml/.yml, CLI wins over the file), so the key goes in a
+0600 YAML file (``api_key_config_text``) and argv carries only ``--config PATH``. Caveat: SGLang
+then records the merged argv as ``launch_command``, and ``/server_info`` returns it and the
+``api_key`` field (utils/common.py ``build_server_info``: ``resolved_dict()`` +
+``launch_command``); the API-key middleware guards that endpoint when a key is set.
+
+``/server_info`` (entrypoints/http_server.py ``server_info``) is ``build_server_info``: the
+resolved ServerArgs fields by field name, plus ``launch_command``, scheduler info and
+``version``; ``expected_server_info`` lists what the role must find there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from eagle3_pipeline.capture.layers import check_aux_layers
+
+SGLANG_VERSION = "0.5.23"
+HOOK_FACTORY = "eagle3_pipeline.capture.sglang_hook:make_capture_hook"
+HOOK_NAME = "eagle3_pipeline_capture"
+# LlamaForCausalLM / DeepseekV2ForCausalLM own `logits_processor`; KimiK25ForConditionalGeneration
+# holds the DeepseekV3ForCausalLM as `language_model` (models/kimi_k25.py).
+HOOK_TARGET_MODULES = ("logits_processor", "language_model.logits_processor")
+
+# model_type (config.json) -> how SGLang's EAGLE3 layer ids map to ours; see the module docstring.
+LAYER_ID_CONVENTIONS = {
+    "llama": "same",
+    "deepseek_v2": "plus_one",
+    "deepseek_v3": "plus_one",
+    "kimi_k2": "plus_one",
+    "kimi_k25": "plus_one",
+}
+
+# Flags the command sets; a user extra may not repeat or override them (aliases included).
+_SET_FLAGS = {
+    "--model-path": "set from sglang_server_model_path",
+    "--model": "alias of --model-path, which the role sets",
+    "--host": "set from sglang_server_host",
+    "--port": "set from sglang_server_port",
+    "--tp-size": "set from sglang_server_tp_size",
+    "--tensor-parallel-size": "alias of --tp-size, which the role sets",
+    "--disable-radix-cache": "already set: capture needs every prompt token computed in its own request",
+    "--chunked-prefill-size": "already set to -1: a chunked prefill splits one request's capture",
+    "--cuda-graph-backend-prefill": "already set to disabled: forward hooks never run inside a graph replay",
+    "--cuda-graph-backend-decode": "already set to disabled",
+    "--disable-custom-all-reduce": "already set",
+    "--enable-return-aux-hidden-states": "already set",
+    "--speculative-algorithm": "already set to EAGLE3, which names the capture convention",
+    "--return-aux-hidden-state-layer-ids": "set from sglang_server_aux_layers (converted per model class)",
+    "--forward-hooks": "already set to this pipeline's capture hook; a second spec would replace it",
+    "--config": "used by the role for the API key file; a config file could set any flag unchecked",
+    "--api-key": "would show the key in the process list: set sglang_server_api_key instead",
+}
+
+# Flags that would undo capture; each with why. Derived from server_args.py's parser (0.5.23):
+# everything that reuses a cached prefix, splits or mixes a prefill, turns graphs back on,
+# changes the speculative/capture setup, or shards/splits the hidden states the hook sees.
+_REFUSED_FLAGS = {
+    # prefix reuse: a cached prefix is never recomputed, so its rows are never captured
+    "--enable-hierarchical-cache": "reuses cached prefixes (HiCache)",
+    "--enable-hicache": "reuses cached prefixes (HiCache)",
+    "--enable-lmcache": "reuses cached prefixes (LMCache)",
+    "--lmcache-config-file": "configures LMCache prefix reuse",
+    "--radix-cache-backend": "selects a prefix cache",
+    "--enable-session-radix-cache": "reuses cached session prefixes",
+    "--enable-unified-cache-external-linker": "reuses prefixes from an external KV store",
+    "--disaggregation-decode-enable-radix-cache": "reuses cached prefixes on a PD decode server",
+    "--enable-prefix-mm-cache": "reuses cached multimodal prefixes",
+    # split or mixed prefill: one request's tokens spread over several passes
+    "--enable-mixed-chunk": "mixes prefill chunks with decode rows in one batch",
+    "--enable-dynamic-chunking": "chunks prefills dynamically",
+    "--enable-pdmux": "runs split prefills (PD multiplexing)",
+    "--enable-prefill-cp": "shards each prefill's tokens over context-parallel ranks",
+    "--attn-cp-size": "shards attention over context-parallel ranks",
+    "--attention-context-parallel-size": "shards attention over context-parallel ranks",
+    "--dcp-size": "shards the KV cache over decode-context-parallel ranks",
+    "--decode-context-parallel-size": "shards the KV cache over decode-context-parallel ranks",
+    "--enable-mis": "packs several items into one sequence (multi-item scoring)",
+    "--dllm-algorithm": "runs diffusion-LLM extends, not one EXTEND per prompt",
+    "--disaggregation-mode": "splits prefill and decode over servers; capture runs on one plain server",
+    "--is-embedding": "serves through the pooler, never the logits_processor the hook is on",
+    # graphs and compilation: hooks do not run inside replays or compiled regions
+    "--cuda-graph-config": "its JSON wins over the disabled graph backends",
+    "--disable-cuda-graph": "deprecated in 0.5.23; the role already disables both graph phases",
+    "--debug-cuda-graph": "runs through the CUDA graph path",
+    "--enable-torch-compile": "compiled regions may skip Python forward hooks",
+    # parallel layouts that hand the hook a shard, or split requests away from TP rank 0
+    "--pp-size": "pipeline parallelism: SGLang's aux capture needs pp_size 1",
+    "--pipeline-parallel-size": "pipeline parallelism: SGLang's aux capture needs pp_size 1",
+    "--attn-dp-size": "attention DP gives TP rank 0 only its own share of the requests",
+    "--attention-data-parallel-size": "attention DP gives TP rank 0 only its own share of the requests",
+    "--enable-dp-attention": "attention DP gives TP rank 0 only its own share of the requests",
+    "--enable-dp-lm-head": "an attention-DP layout of the LM head",
+    "--enable-layernorm-sp": "hands the logits processor sequence-sharded hidden states",
+    "--enable-attn-tp-input-scattered": "scatters the hidden states over attention-TP ranks",
+    "--enable-two-batch-overlap": "splits each batch into micro-batches",
+}
+# Every speculative flag: the role owns the algorithm, and a draft is refused by SGLang anyway.
+_REFUSED_PREFIXES = {
+    "--speculative-": "changes the speculative setup, which in capture mode only names the convention",
+    "--cuda-graph-": "configures the CUDA graphs the role turns off",
+    "--hicache-": "configures prefix reuse (HiCache)",
+    "--unified-cache-external-linker-": "configures prefix reuse from an external KV store",
+}
+# Real 0.5.23 flags that are strict prefixes of a refused flag: spelled in full, argparse takes
+# them as themselves, so they are not abbreviations (the contract test keeps this list true).
+_FULL_FLAGS_PREFIXING_REFUSED: frozenset[str] = frozenset()
+
+
+def read_model_config(model_path: str | Path) -> dict:
+    """Return ``{"model_type", "num_hidden_layers"}`` from ``<model_path>/config.json``.
+
+    For a multimodal wrapper (Kimi-K2.5), the layer count comes from ``text_config``.
+    """
+    path = Path(model_path) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot read the model config ({exc}); pass --model-type") from exc
+    text = config.get("text_config") or {}
+    layers = config.get("num_hidden_layers", text.get("num_hidden_layers"))
+    return {"model_type": config.get("model_type"), "num_hidden_layers": layers}
+
+
+def _check_aux_layers(aux_layers: Sequence[int], num_hidden_layers: int | None) -> list[int]:
+    """The project's range rule (capture.layers), plus SGLang's: distinct ids in ascending order."""
+    layers = [int(a) for a in aux_layers]
+    if num_hidden_layers is not None:
+        check_aux_layers(layers, num_hidden_layers)
+    if not layers:
+        raise ValueError("aux_layers is empty: name the decoder layers to capture, e.g. [1, 30, 57]")
+    if any(a < 0 for a in layers) or layers != sorted(set(layers)):
+        raise ValueError(
+            f"aux_layers {layers}: use distinct non-negative layer indices in ascending order "
+            "(SGLang concatenates captures in layer order)"
+        )
+    return layers
+
+
+def sglang_layer_ids(aux_layers: Sequence[int], model_type: str, num_hidden_layers: int | None = None) -> list[int]:
+    """Convert our aux layer ids (0-based, output of that layer) to SGLang's EAGLE3 ids.
+
+    llama: SGLang id == ours (models/llama.py adds 1 and captures layer inputs).
+    deepseek_v2/v3, kimi_k2, kimi_k25: SGLang id == ours + 1 (models/deepseek_v2.py captures layer
+    inputs and adds 1 only when the first id is 1, which ours + 1 never is once 0 is refused).
+    """
+    layers = _check_aux_layers(aux_layers, num_hidden_layers)
+    convention = LAYER_ID_CONVENTIONS.get(model_type)
+    if convention is None:
+        raise ValueError(
+            f"model_type {model_type!r}: no SGLang {SGLANG_VERSION} layer-id convention is recorded for it; "
+            f"known: {sorted(LAYER_ID_CONVENTIONS)}. Read that model's set_eagle3_layers_to_capture in "
+            "sglang/srt/models/ and add it to LAYER_ID_CONVENTIONS"
+        )
+    if convention == "same":
+        return layers
+    if layers[0] == 0:
+        raise ValueError(
+            f"aux_layers {layers}: SGLang {SGLANG_VERSION} cannot capture the output of layer 0 for {model_type} "
+            "(DeepseekV2ForCausalLM.set_eagle3_layers_to_capture adds 1 when the first id is 1); start at layer 1"
+        )
+    return [a + 1 for a in layers]
+
+
+def hook_spec(capture_dir: str, aux_layers: Sequence[int], sglang_ids: Sequence[int], model_type: str) -> dict:
+    """The ``--forward-hooks`` entry naming this package's capture hook and its config."""
+    return {
+        "name": HOOK_NAME,
+        "target_modules": list(HOOK_TARGET_MODULES),
+        "hook_factory": HOOK_FACTORY,
+        "config": {
+            "capture_dir": str(capture_dir),
+            "aux_layer_ids": [int(a) for a in aux_layers],
+            "sglang_layer_ids": [int(i) for i in sglang_ids],
+            "model_type": model_type,
+            "engine": f"sglang-{SGLANG_VERSION}",
+        },
+    }
+
+
+def api_key_config_text(api_key: str) -> str:
+    """YAML for the ``--config`` file that carries the API key (write it mode 0600)."""
+    if not api_key or "\n" in api_key:
+        raise ValueError("the API key must be a non-empty single line")
+    return f"api-key: {json.dumps(api_key)}\n"  # a JSON string is a valid YAML scalar
+
+
+def _flag_name(token: str) -> str:
+    return token.split("=", 1)[0]
+
+
+def _refusal(flag: str) -> str | None:
+    if flag in _SET_FLAGS:
+        return f"{flag} is set by the sglang_server role ({_SET_FLAGS[flag]}); remove it from sglang_server_extra_args"
+    if flag in _REFUSED_FLAGS:
+        return (
+            f"{flag} would undo full-sequence capture ({_REFUSED_FLAGS[flag]}); remove it from sglang_server_extra_args"
+        )
+    for prefix, why in _REFUSED_PREFIXES.items():
+        if flag.startswith(prefix):
+            return f"{flag} would undo full-sequence capture ({why}); remove it from sglang_server_extra_args"
+    if flag not in _FULL_FLAGS_PREFIXING_REFUSED:
+        known = [*_SET_FLAGS, *_REFUSED_FLAGS, *_REFUSED_PREFIXES]
+        expands_to = sorted(k for k in known if k.startswith(flag) and k != flag)
+        if expands_to:
+            return (
+                f"{flag} is an abbreviation SGLang's argparse may expand to {expands_to[0]}, which the role "
+                "refuses; spell flags in full"
+            )
+    return None
+
+
+def check_extra_args(extra_args: Sequence[str]) -> None:
+    """Refuse user extras that would undo capture or repeat a flag the role sets (ValueError).
+
+    ``extra_args`` is an argv list (one token per item), never a shell string.
+    """
+    if isinstance(extra_args, str):
+        raise ValueError("sglang_server_extra_args must be a list of argv tokens, not a string")
+    for token in extra_args:
+        if not isinstance(token, str):
+            raise ValueError(f"sglang_server_extra_args: {token!r} is not a string; quote every token")
+        if token.startswith("--"):
+            reason = _refusal(_flag_name(token))
+            if reason:
+                raise ValueError(reason)
+        elif token.startswith("-") and len(token) > 1 and not token[1].isdigit() and token[1] != ".":
+            raise ValueError(f"{token}: use long flags only in sglang_server_extra_args (short options are ambiguous)")
+
+
+def launch_argv(
+    python: str,
+    model_path: str,
+    host: str,
+    port: int,
+    tp_size: int,
+    aux_layers: Sequence[int],
+    capture_dir: str,
+    model_type: str = "llama",
+    extra_args: Sequence[str] = (),
+    api_key_config: str | None = None,
+    num_hidden_layers: int | None = None,
+) -> list[str]:
+    """The SGLang launch command as an argv list (no shell).
+
+    ``api_key_config`` is the path of a YAML file written with ``api_key_config_text`` (SGLang
+    has no API-key environment variable); the key itself never appears in argv.
+    """
+    check_extra_args(extra_args)
+    if int(tp_size) < 1 or not 0 < int(port) < 65536:
+        raise ValueError(f"tp_size {tp_size} must be >= 1 and port {port} in 1..65535")
+    ids = sglang_layer_ids(aux_layers, model_type, num_hidden_layers)
+    spec = hook_spec(capture_dir, aux_layers, ids, model_type)
+    argv = [
+        python, "-m", "sglang.launch_server",
+        "--model-path", str(model_path),
+        "--host", str(host),
+        "--port", str(int(port)),
+        "--tp-size", str(int(tp_size)),
+        "--disable-radix-cache",
+        "--chunked-prefill-size", "-1",
+        "--cuda-graph-backend-prefill", "disabled",
+        "--cuda-graph-backend-decode", "disabled",
+        "--disable-custom-all-reduce",
+        "--enable-return-aux-hidden-states",
+        "--speculative-algorithm", "EAGLE3",
+        "--return-aux-hidden-state-layer-ids", *(str(i) for i in ids),
+        "--forward-hooks", json.dumps([spec], separators=(",", ":")),
+    ]  # fmt: skip
+    if api_key_config is not None:
+        if Path(api_key_config).suffix.lower() not in (".yaml", ".yml"):
+            raise ValueError(f"{api_key_config}: SGLang reads --config only from a .yaml/.yml file")
+        argv += ["--config", str(api_key_config)]
+    return argv + list(extra_args)
+
+
+def expected_server_info(
+    model_path: str,
+    port: int,
+    tp_size: int,
+    aux_layers: Sequence[int],
+    capture_dir: str,
+    model_type: str = "llama",
+    num_hidden_layers: int | None = None,
+) -> dict:
+    """Fields the live ``/server_info`` must show (resolved ServerArgs field names), and values."""
+    ids = sglang_layer_ids(aux_layers, model_type, num_hidden_layers)
+    return {
+        "version": SGLANG_VERSION,
+        "model_path": str(model_path),
+        "port": int(port),
+        "tp_size": int(tp_size),
+        "pp_size": 1,
+        "disable_radix_cache": True,
+        "chunked_prefill_size": -1,
+        "enable_mixed_chunk": False,
+        "enable_hierarchical_cache": False,
+        "enable_dp_attention": False,
+        "cuda_graph_backend_prefill": "disabled",
+        "cuda_graph_backend_decode": "disabled",
+        "disable_custom_all_reduce": True,
+        "enable_return_aux_hidden_states": True,
+        "aux_hidden_state_capture": "eagle3",
+        "speculative_algorithm": None,  # reset by handle_aux_hidden_state_capture
+        "return_aux_hidden_state_layer_ids": ids,
+        "forward_hooks": [hook_spec(capture_dir, aux_layers, ids, model_type)],
+    }
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m eagle3_pipeline.serve.sglang_command",
+        description="Print the SGLang launch argv for hidden-state capture.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--json", action="store_true", help="print the argv as a JSON list (the only output form)")
+    parser.add_argument("--python", required=True)
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--aux-layers", required=True, help="comma list of 0-based layer indices")
+    parser.add_argument("--capture-dir", required=True)
+    parser.add_argument("--model-type", help="llama, deepseek_v3, kimi_k25, ...; read from config.json when absent")
+    parser.add_argument("--api-key-config", help="YAML file holding the API key (see api_key_config_text)")
+    parser.add_argument("--extra-arg", action="append", default=[], help="one argv token; repeat")
+    parser.add_argument("--expected-server-info", action="store_true", help="print expected /server_info instead")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI: print the launch argv (or the expected /server_info) as JSON; exit 2 on a refusal."""
+    args = _parse_args(argv)
+    try:
+        aux = [int(a) for a in args.aux_layers.split(",") if a.strip()]
+        model_type, layers = args.model_type, None
+        if model_type is None or Path(args.model_path, "config.json").exists():
+            config = read_model_config(args.model_path)
+            model_type = model_type or config["model_type"]
+            layers = config["num_hidden_layers"]
+        if args.expected_server_info:
+            out = expected_server_info(
+                args.model_path, args.port, args.tp_size, aux, args.capture_dir, model_type, layers
+            )
+        else:
+            out = launch_argv(
+                args.python, args.model_path, args.host, args.port, args.tp_size, aux, args.capture_dir,
+                model_type=model_type, extra_args=args.extra_arg, api_key_config=args.api_key_config,
+                num_hidden_layers=layers,
+            )  # fmt: skip
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
