@@ -9,6 +9,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+# torch._dynamo registers a stand-in for sys.intern when it is first imported, and refuses if
+# ansible.module_utils (imported by the module tests) has already patched sys.intern. Importing
+# it first, once per test process, keeps the model tests working in the same session.
+try:
+    import torch._dynamo  # noqa: F401
+except ImportError:  # a GPU-less helper machine without torch: nothing to protect
+    pass
+
 import ansible.module_utils
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,12 +15,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, safe_open, save_file
+from safetensors import SafetensorError
+from safetensors.torch import load_file, safe_open
+
+from eagle3_pipeline.atomic import atomic_write, atomic_write_text
 
 CAPTURE_SUFFIX = ".safetensors"
 INCOMPLETE_SUFFIX = ".incomplete.json"
@@ -59,16 +62,48 @@ def incomplete_path(capture_dir: str | os.PathLike, rid: str) -> Path:
     return Path(capture_dir) / f"{check_rid(rid)}{INCOMPLETE_SUFFIX}"
 
 
-def _atomic_write(target: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+# safetensors' names for the dtypes a capture can hold.
+_SAFETENSORS_DTYPES = {
+    torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy; from a GPU through pinned memory (cached by torch), the fast path."""
+    tensor = tensor.detach()
+    if tensor.device.type == "cpu":
+        return tensor.contiguous()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor)
+    return host
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str]) -> None:
+    """Write CPU tensors in the safetensors format, straight from their memory.
+
+    Same bytes on disk as ``safetensors.torch.save_file`` would give a reader (8-byte header
+    length, JSON header padded to 8 bytes, raw little-endian data in header order), but with no
+    intermediate copy of the data: the file writes release the GIL, so capture writes do not
+    stall a server's other threads. Files are read back with safetensors itself.
+    """
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    buffers = []
+    for name, given in tensors.items():
+        tensor = given.contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        buffers.append(tensor.reshape(-1).view(torch.uint8).numpy())
+    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(blob)))
+        handle.write(blob)
+        for buffer in buffers:
+            handle.write(memoryview(buffer))
 
 
 def write_capture(
@@ -98,10 +133,7 @@ def write_capture(
         )
     directory = ensure_capture_dir(capture_dir)
     target = capture_path(directory, rid)
-    tensors = {
-        "aux_hidden_states": aux_hidden_states.detach().to("cpu").contiguous(),
-        "last_hidden_states": last_hidden_states.detach().to("cpu").contiguous(),
-    }
+    tensors = {"aux_hidden_states": _to_host(aux_hidden_states), "last_hidden_states": _to_host(last_hidden_states)}
     metadata = {
         "rid": rid,
         "num_tokens": str(tokens),
@@ -109,7 +141,7 @@ def write_capture(
         "aux_layer_ids": json.dumps([int(i) for i in aux_layer_ids]),
         "engine": engine,
     }
-    _atomic_write(target, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    atomic_write(target, lambda tmp: save_safetensors(tensors, tmp, metadata))
     stale = incomplete_path(directory, rid)
     if stale.exists():
         stale.unlink()
@@ -121,7 +153,7 @@ def write_incomplete(capture_dir: str | os.PathLike, rid: str, reason: str, **de
     directory = ensure_capture_dir(capture_dir)
     target = incomplete_path(directory, rid)
     record = json.dumps({"rid": rid, "reason": reason, **details}, sort_keys=True)
-    _atomic_write(target, lambda tmp: Path(tmp).write_text(record + "\n"))
+    atomic_write_text(target, record + "\n")
     return target
 
 
@@ -148,7 +180,7 @@ def read_capture(path: str | os.PathLike) -> Capture:
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}
         tensors = load_file(str(path))
-    except (OSError, ValueError, RuntimeError) as exc:  # safetensors raises SafetensorError (a ValueError)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:  # a truncated or foreign file
         raise CaptureError(f"{path}: not a readable capture file: {exc}") from exc
     missing = {"aux_hidden_states", "last_hidden_states"} - set(tensors)
     if missing:

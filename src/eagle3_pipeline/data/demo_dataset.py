@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import sys
-import tempfile
 from pathlib import Path
 
+from eagle3_pipeline.atomic import atomic_write_text
 from eagle3_pipeline.data.stdlib_corpus import DocEntry, extract_entries
 
 SYSTEM_PROMPTS = (
@@ -124,16 +123,8 @@ def demo_conversations(
 
 def write_jsonl(path: Path, records: list[dict]) -> None:
     """Write one JSON object per line, atomically (temp file in the same folder, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            for record in records:
-                handle.write(json.dumps(record, ensure_ascii=False, sort_keys=True) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    lines = (json.dumps(record, ensure_ascii=False, sort_keys=True) + "\n" for record in records)
+    atomic_write_text(path, "".join(lines))
 
 
 def default_held_out_path(output: Path) -> Path:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
+from eagle3_pipeline.atomic import atomic_write_text
 from eagle3_pipeline.capture.layers import check_aux_layers, default_aux_layers
 
 ENGINES = ("sglang", "reference")
@@ -151,12 +151,7 @@ def write_secret(path: str, secret_format: str, api_key: str) -> bool:
     target = Path(path)
     if target.exists() and target.read_text() == text and (target.stat().st_mode & 0o777) == 0o600:
         return False
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as handle:
-        handle.write(text)
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, target)
+    atomic_write_text(target, text, mode=0o600)
     return True
 
 

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from eagle3_pipeline.atomic import atomic_write_text
+
 POLL_S = 0.05
 
 
@@ -78,9 +80,7 @@ class Service:
 
     def write(self, state: dict) -> None:
         """Record the state atomically."""
-        tmp = self.state_file.with_name(self.state_file.name + ".tmp")
-        tmp.write_text(json.dumps(state, sort_keys=True) + "\n")
-        os.replace(tmp, self.state_file)
+        atomic_write_text(self.state_file, json.dumps(state, sort_keys=True) + "\n")
 
     def status(self) -> dict:
         """State plus ``running``: the server process recorded is alive (same PID and start time)."""
