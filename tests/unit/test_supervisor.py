@@ -114,3 +114,15 @@ def test_a_missing_program_is_reported(state_dir):
     supervise(state_dir, "start", "--", "/nonexistent/e3p-server")
     wait_for(lambda: supervise(state_dir, "status")["exit_code"] == 127)
     assert "cannot execute /nonexistent/e3p-server" in (state_dir / "srv.log").read_text()
+
+
+def test_dry_run_reports_what_start_would_do_and_starts_nothing(state_dir):
+    argv = ["start", "--", sys.executable, "-c", "import time; time.sleep(120)"]
+    would = supervise(state_dir, "--dry-run", *argv)
+    assert would["changed"] is True and would["would"] == "start" and would["running"] is False
+    assert not (state_dir / "srv.json").exists()
+    started = supervise(state_dir, *argv)
+    assert supervise(state_dir, "--dry-run", *argv)["changed"] is False
+    changed = supervise(state_dir, "--dry-run", "start", "--", sys.executable, "-c", "import time; time.sleep(9)")
+    assert changed["would"] == "restart"
+    assert supervise(state_dir, "status")["pid"] == started["pid"]

@@ -89,12 +89,18 @@ class Service:
         state["running"] = bool(pid) and _proc_start_time(pid) == start
         return state
 
-    def start(self, argv: list[str], log_file: Path, env: dict[str, str], cwd: str | None) -> dict:
-        """Start unless the same configuration already runs; return the status and ``changed``."""
+    def start(self, argv: list[str], log_file: Path, env: dict[str, str], cwd: str | None,
+              dry_run: bool = False) -> dict:
+        """Start unless the same configuration already runs; return the status and ``changed``.
+
+        ``dry_run`` only says whether a start (or restart) would happen.
+        """
         wanted = config_hash(argv, env, cwd)
         current = self.status()
         if current["running"] and current.get("config_hash") == wanted:
             return {**current, "changed": False}
+        if dry_run:
+            return {**current, "changed": True, "would": "restart" if current["running"] else "start"}
         stopped = self.stop(grace_s=30.0) if current["running"] else None
         self.state_dir.mkdir(parents=True, exist_ok=True)
         log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -217,6 +223,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--env-file", type=Path, help="KEY=VALUE lines added to the server's environment (start)")
     parser.add_argument("--cwd", help="working directory of the server (start)")
     parser.add_argument("--grace-s", type=float, default=30.0, help="SIGTERM to SIGKILL (stop)")
+    parser.add_argument("--dry-run", action="store_true", help="(start) only report whether it would (re)start")
     # Options first, then the verb, then (start) -- and the server's command:
     #   supervise --name N --state-dir D --log-file L start -- python -m server ...
     parser.add_argument("action", choices=["start", "stop", "status"])
@@ -231,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
         if not argv:
             raise SystemExit("error: supervise start needs the server's command after --")
         log_file = args.log_file or args.state_dir / f"{args.name}.log"
-        result = service.start(argv, log_file, read_env_file(args.env_file), args.cwd)
+        result = service.start(argv, log_file, read_env_file(args.env_file), args.cwd, dry_run=args.dry_run)
     elif args.action == "stop":
         result = service.stop(args.grace_s)
     else:
