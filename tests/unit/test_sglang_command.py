@@ -121,16 +121,20 @@ def test_expected_server_info_matches_the_command():
     assert info["forward_hooks"][0]["config"]["sglang_layer_ids"] == [2, 31, 58]
 
 
-def test_main_prints_argv_json_and_exits_2_on_refused_extra(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "num_hidden_layers": 61}))
-    base = [sys.executable, "-m", "eagle3_pipeline.serve.sglang_command", "--json", "--python", "/p/python",
-            "--model-path", str(tmp_path), "--port", "30000", "--tp-size", "8", "--aux-layers", "1,30,57",
-            "--capture-dir", "/dev/shm/cap"]  # fmt: skip
+def test_plan_command_prints_sglang_argv_and_exits_2_on_refused_extra(tmp_path):
+    # The role reaches the launch command through python -m eagle3_pipeline.serve.plan.
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "deepseek_v3", "num_hidden_layers": 61, "hidden_size": 7168})
+    )
+    base = [sys.executable, "-m", "eagle3_pipeline.serve.plan", "--json", "--engine", "sglang", "--python",
+            "/p/python", "--model-path", str(tmp_path), "--port", "30000", "--tp-size", "8", "--aux-layers",
+            "1,30,57", "--capture-dir", "/dev/shm/cap"]  # fmt: skip
     done = subprocess.run(base, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
-    argv = json.loads(done.stdout)
+    argv = json.loads(done.stdout)["argv"]
     i = argv.index("--return-aux-hidden-state-layer-ids")
     assert argv[i + 1 : i + 4] == ["2", "31", "58"]
-    refused = subprocess.run(base + ["--extra-arg=--enable-mixed-chunk"], capture_output=True, text=True, check=False)
+    refused = subprocess.run(base + ['--extra-args-json=["--enable-mixed-chunk"]'], capture_output=True, text=True,
+                             check=False)  # fmt: skip
     assert refused.returncode == 2
     assert "--enable-mixed-chunk" in refused.stderr and refused.stdout == ""

@@ -1,9 +1,9 @@
 """The SGLang 0.5.23 launch command for full-sequence hidden-state capture, and its checks.
 
-Plain functions over values (no torch, no sglang import), so the role can call
-``python -m eagle3_pipeline.serve.sglang_command --json ...`` on the host and tests can call them
-directly. Every fact below was read in the SGLang 0.5.23 wheel (paths under ``sglang/srt/``); the
-contract tests in ``tests/sglang/`` check the parser-level ones against the real wheel.
+Plain functions over values (no torch, no sglang import); the role reaches them through the
+server plan (``python -m eagle3_pipeline.serve.plan``), and tests call them directly. Every
+fact below was read in the SGLang 0.5.23 wheel (paths under ``sglang/srt/``); the contract
+tests in ``tests/sglang/`` check the parser-level ones against the real wheel.
 
 Flags (``server_args.py`` + ``arg_groups/fields/*.py``):
 
@@ -69,9 +69,7 @@ resolved ServerArgs fields by field name, plus ``launch_command``, scheduler inf
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -167,21 +165,6 @@ _REFUSED_PREFIXES = {
 # Real 0.5.23 flags that are strict prefixes of a refused flag: spelled in full, argparse takes
 # them as themselves, so they are not abbreviations (the contract test keeps this list true).
 _FULL_FLAGS_PREFIXING_REFUSED: frozenset[str] = frozenset()
-
-
-def read_model_config(model_path: str | Path) -> dict:
-    """Return ``{"model_type", "num_hidden_layers"}`` from ``<model_path>/config.json``.
-
-    For a multimodal wrapper (Kimi-K2.5), the layer count comes from ``text_config``.
-    """
-    path = Path(model_path) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: cannot read the model config ({exc}); pass --model-type") from exc
-    text = config.get("text_config") or {}
-    layers = config.get("num_hidden_layers", text.get("num_hidden_layers"))
-    return {"model_type": config.get("model_type"), "num_hidden_layers": layers}
 
 
 def _check_aux_layers(aux_layers: Sequence[int], num_hidden_layers: int | None) -> list[int]:
@@ -367,55 +350,3 @@ def expected_server_info(
         "return_aux_hidden_state_layer_ids": ids,
         "forward_hooks": [hook_spec(capture_dir, aux_layers, ids, model_type)],
     }
-
-
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m eagle3_pipeline.serve.sglang_command",
-        description="Print the SGLang launch argv for hidden-state capture.",
-        allow_abbrev=False,
-    )
-    parser.add_argument("--json", action="store_true", help="print the argv as a JSON list (the only output form)")
-    parser.add_argument("--python", required=True)
-    parser.add_argument("--model-path", required=True)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--tp-size", type=int, default=1)
-    parser.add_argument("--aux-layers", required=True, help="comma list of 0-based layer indices")
-    parser.add_argument("--capture-dir", required=True)
-    parser.add_argument("--model-type", help="llama, deepseek_v3, kimi_k25, ...; read from config.json when absent")
-    parser.add_argument("--api-key-config", help="YAML file holding the API key (see api_key_config_text)")
-    parser.add_argument("--extra-arg", action="append", default=[], help="one argv token; repeat")
-    parser.add_argument("--expected-server-info", action="store_true", help="print expected /server_info instead")
-    return parser.parse_args(argv)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: print the launch argv (or the expected /server_info) as JSON; exit 2 on a refusal."""
-    args = _parse_args(argv)
-    try:
-        aux = [int(a) for a in args.aux_layers.split(",") if a.strip()]
-        model_type, layers = args.model_type, None
-        if model_type is None or Path(args.model_path, "config.json").exists():
-            config = read_model_config(args.model_path)
-            model_type = model_type or config["model_type"]
-            layers = config["num_hidden_layers"]
-        if args.expected_server_info:
-            out = expected_server_info(
-                args.model_path, args.port, args.tp_size, aux, args.capture_dir, model_type, layers
-            )
-        else:
-            out = launch_argv(
-                args.python, args.model_path, args.host, args.port, args.tp_size, aux, args.capture_dir,
-                model_type=model_type, extra_args=args.extra_arg, api_key_config=args.api_key_config,
-                num_hidden_layers=layers,
-            )  # fmt: skip
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(out))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
