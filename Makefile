@@ -23,9 +23,15 @@ venv: $(STAMP)
 venv-sglang: venv
 	tests/sglang/make_venv.sh
 
+# The main job on the embedded default: free the GPUs, start the capture server (reference
+# engine, tiny model, CPU), extract the demo conversations, stop the server (also on failure).
+DEMO_PLAY := $(BIN)/ansible-playbook -i inventory/local.yml
 demo: venv
-	$(BIN)/ansible-playbook -i inventory/local.yml playbooks/gpu_reset.yml -e gpu_reset_report_dir=$(CURDIR)/output/demo/gpu_reset
-	@echo "report: output/demo/gpu_reset/localhost.json"
+	$(DEMO_PLAY) playbooks/gpu_reset.yml -e gpu_reset_report_dir=$(CURDIR)/output/demo/gpu_reset
+	$(DEMO_PLAY) playbooks/sglang_server.yml
+	$(DEMO_PLAY) playbooks/extract.yml || { $(DEMO_PLAY) playbooks/sglang_server.yml -e sglang_server_state=stopped; exit 1; }
+	$(DEMO_PLAY) playbooks/sglang_server.yml -e sglang_server_state=stopped
+	@echo "GPU report: output/demo/gpu_reset/localhost.json; dataset: output/demo/data (data_config.json)"
 
 lint: venv
 	$(BIN)/ruff check .

@@ -73,8 +73,14 @@ def run_playbook(name: str, inventory: Path, extravars: dict, check: bool) -> in
 
 
 # Commands implemented in their own modules, imported only when used (some need torch).
-# Each module defines configure_parser(parser) and run(args) -> int.
+# Each module defines configure_parser(parser) and run(args) -> int, or, with a third item
+# SUFFIX, configure_SUFFIX(parser) and run_SUFFIX(args).
 MODULE_COMMANDS = {
+    "extract": ("eagle3_pipeline.extract.job", "extract verified hidden states of a dataset through the server"),
+    "extract-merge": ("eagle3_pipeline.extract.commands", "merge the parts' manifests into data_config.json",
+                      "merge"),
+    "verify": ("eagle3_pipeline.extract.commands", "re-check an extracted dataset against its manifest", "verify"),
+    "progress": ("eagle3_pipeline.extract.commands", "show an extraction's progress", "progress"),
     "tiny-model": ("eagle3_pipeline.models.tiny", "build the embedded tiny target model (cached)"),
     "demo-dataset": ("eagle3_pipeline.data.demo_dataset", "write the demo conversations (ShareGPT JSONL)"),
     "serve-reference": ("eagle3_pipeline.engine.reference_server", "run the reference engine's HTTP server"),
@@ -97,14 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else argv
     chosen = next((arg for arg in given if not arg.startswith("-")), None)
     modules = {}
-    for name, (module_name, help_text) in MODULE_COMMANDS.items():
+    for name, (module_name, help_text, *suffix) in MODULE_COMMANDS.items():
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen:
-            modules[name] = importlib.import_module(module_name)
-            modules[name].configure_parser(command_parser)
+            module = importlib.import_module(module_name)
+            tail = f"_{suffix[0]}" if suffix else "_parser"
+            getattr(module, f"configure{tail}")(command_parser)
+            modules[name] = getattr(module, f"run_{suffix[0]}" if suffix else "run")
     args = parser.parse_args(argv)
     if args.command in modules:
-        return modules[args.command].run(args)
+        return modules[args.command](args)
     if not args.inventory.exists():
         parser.error(f"inventory {args.inventory} does not exist")
     return run_playbook(args.command, args.inventory, parse_extravars(args.extra_var), args.check)

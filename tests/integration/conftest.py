@@ -18,10 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import ansible_runner
 import pytest
-
-from eagle3_pipeline.cli import runner_path
+from runner_runs import run_project_playbook
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAYBOOK = ROOT / "playbooks" / "gpu_reset.yml"
@@ -206,16 +204,7 @@ def run_gpu_reset(tmp_path_factory: pytest.TempPathFactory):
     """Run playbooks/gpu_reset.yml through ansible-runner with these extra vars; return a PlaybookRun."""
 
     def run(extravars: dict, *, check: bool = False) -> PlaybookRun:
-        runner = ansible_runner.run(
-            private_data_dir=str(tmp_path_factory.mktemp("runner")),
-            playbook=str(PLAYBOOK),
-            inventory=str(INVENTORY),
-            extravars=extravars,
-            cmdline="--check" if check else None,
-            # PATH: ansible-runner finds ansible-playbook there; the venv needs no activation.
-            envvars={"ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "PATH": runner_path()},
-            quiet=True,
-        )
+        runner = run_project_playbook(tmp_path_factory.mktemp("runner"), PLAYBOOK, INVENTORY, extravars, check)
         return PlaybookRun(
             status=runner.status,
             rc=runner.rc,

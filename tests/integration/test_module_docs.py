@@ -50,7 +50,14 @@ def ansible_doc(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("module", ["gpu_info", "gpu_processes", "gpu_wait_free"])
+MODULES = sorted(path.stem for path in (ROOT / "library").glob("*.py"))
+
+
+def test_every_module_of_the_library_is_checked():
+    assert {"gpu_info", "gpu_processes", "gpu_wait_free", "sglang_server_info", "extraction_progress"} <= set(MODULES)
+
+
+@pytest.mark.parametrize("module", MODULES)
 def test_ansible_doc_renders_every_option(module):
     spec = argument_spec(module)
 
@@ -63,7 +70,8 @@ def test_ansible_doc_renders_every_option(module):
         assert f"\n{section}" in text.stdout, section
     options_text = options_section(text.stdout)
     for name in spec:
-        assert re.search(rf"^- {name}\s", options_text, re.MULTILINE), f"option {name} not rendered"
+        # ansible-doc marks a required option "= name", an optional one "- name".
+        assert re.search(rf"^[-=] {name}\s", options_text, re.MULTILINE), f"option {name} not rendered"
 
     rendered = ansible_doc("--json", module)
     assert rendered.returncode == 0, rendered.stderr

@@ -10,7 +10,6 @@ test, so it can only ever select processes that the test started, even on a host
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -22,21 +21,11 @@ import gpu_wait_free
 import pytest
 import yaml
 from ansible.module_utils.gpu_nvml import driver_detected
-from ansible.module_utils.testing import patch_module_args
 from fake_nvml import FakeGpu, FakeNvml
+from module_runs import run_module
 from process_checks import running
 
 RUN_REASON = "part of this run (an ancestor of the module: the Ansible run or what started it)"
-
-
-def run_module(module, args, capsys, check_mode=False):
-    """Run module.main() with args; return (exit code, parsed JSON result)."""
-    args = dict(args)
-    if check_mode:
-        args["_ansible_check_mode"] = True
-    with patch_module_args(args), pytest.raises(SystemExit) as exc:
-        module.main()
-    return exc.value.code, json.loads(capsys.readouterr().out)
 
 
 @pytest.fixture

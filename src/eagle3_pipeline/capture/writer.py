@@ -79,7 +79,9 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str]) -> None:
+def save_safetensors(
+    tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str], digest=None
+) -> int:
     """Write CPU tensors in the safetensors format, straight from their memory.
 
     Same bytes on disk as ``safetensors.torch.save_file`` would give a reader (8-byte header
@@ -99,11 +101,13 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, 
         buffers.append(tensor.reshape(-1).view(torch.uint8).numpy())
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
     blob += b" " * (-len(blob) % 8)
+    pieces = [struct.pack("<Q", len(blob)), blob, *(memoryview(buffer) for buffer in buffers)]
     with open(path, "wb") as handle:
-        handle.write(struct.pack("<Q", len(blob)))
-        handle.write(blob)
-        for buffer in buffers:
-            handle.write(memoryview(buffer))
+        for piece in pieces:
+            handle.write(piece)
+            if digest is not None:
+                digest.update(piece)
+    return 8 + len(blob) + offset
 
 
 def write_capture(

@@ -13,7 +13,12 @@ Hidden-state conventions (checked against transformers 5.24's ``LlamaModel`` and
 ``utils/output_capturing.capture_outputs``):
 
 - ``aux_hidden_states`` = concat over the aux layers ``i`` (0-based decoder layers) of HF
-  ``hidden_states[i + 1]``, the residual stream after layer ``i``.
+  ``hidden_states[i + 1]``, the residual stream after layer ``i``. They are taken by forward
+  hooks on the decoder layers themselves, not through ``output_hidden_states=[...]``: what a
+  list selects there changed between transformers releases (5.17 returns the states shifted by
+  one layer, 5.24 the full tuple), which silently captured the wrong layer. At start the hooks'
+  states are compared with ``output_hidden_states=True``'s ``hidden_states[i + 1]``, and a
+  mismatch refuses to serve.
 - ``last_hidden_states`` = ``last_hidden_state`` of the decoder, i.e. after the final norm: what
   ``lm_head`` reads. (``capture_outputs`` also overwrites ``hidden_states[-1]`` with it, so
   ``hidden_states[L]`` is post-norm and NOT the raw output of layer ``L - 1``; that is why
@@ -168,7 +173,12 @@ class ModelRunner:
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
         self.eos_token_ids = self._eos_token_ids()
+        self._layers = self._decoder_layers()
+        self._captured: dict[int, object] | None = None
+        for index in sorted(set(self.aux_layers)):
+            self._layers[index].register_forward_hook(partial(self._keep_layer_output, index))
         self._check_logits_from_last_hidden_state()
+        self._check_aux_capture()
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -184,6 +194,40 @@ class ModelRunner:
             elif isinstance(value, (list, tuple)):
                 ids.update(int(v) for v in value)
         return ids
+
+    def _decoder_layers(self):
+        layers = getattr(self.decoder, "layers", None)
+        if layers is None or len(layers) != self.num_layers:
+            raise ValueError(f"{self.model_path}: the decoder has no list of {self.num_layers} layers (`.layers`); "
+                             "the reference engine cannot hook its aux layers")
+        return layers
+
+    def _keep_layer_output(self, index: int, _module, _inputs, output) -> None:
+        if self._captured is not None:
+            self._captured[index] = output[0] if isinstance(output, (tuple, list)) else output
+
+    def _run_decoder(self, **kwargs):
+        """The decoder's forward, returning (output, {aux layer: its output [B, T, H]})."""
+        self._captured = {}
+        try:
+            out = self.decoder(**kwargs)
+            return out, self._captured
+        finally:
+            self._captured = None
+
+    def _check_aux_capture(self) -> None:
+        """Refuse to serve when the hooked layer outputs are not HF's ``hidden_states[i + 1]``."""
+        torch = self.torch
+        ids = torch.arange(min(8, self.vocab_size, self.context_length - 1), device=self.device).unsqueeze(0)
+        with torch.inference_mode():
+            out, captured = self._run_decoder(input_ids=ids, output_hidden_states=True)
+        for index in set(self.aux_layers):
+            if not torch.equal(captured[index], out.hidden_states[index + 1]):
+                raise ValueError(
+                    f"{self.model_path}: the output of decoder layer {index} taken by its forward hook differs from "
+                    f"hidden_states[{index + 1}]; this transformers version changed what a layer returns, and the "
+                    "reference engine would capture the wrong states"
+                )
 
     def _check_logits_from_last_hidden_state(self) -> None:
         """Refuse models whose logits are not ``lm_head(last_hidden_state)`` (softcapping, scaling...).
@@ -215,15 +259,11 @@ class ModelRunner:
             mask[b, : lengths[b]] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         cache = self._new_cache()
-        wanted = [i + 1 for i in self.aux_layers]
-        out = self.decoder(
-            input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, output_hidden_states=wanted
-        )
-        hidden = out.hidden_states
+        out, captured = self._run_decoder(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
         rows = []
         for b, job in enumerate(jobs):
             length = lengths[b]
-            aux = torch.cat([hidden[i + 1][b, :length] for i in self.aux_layers], dim=-1)  # [T, n_aux*H]
+            aux = torch.cat([captured[i][b, :length] for i in self.aux_layers], dim=-1)  # [T, n_aux*H]
             last = out.last_hidden_state[b, :length]  # [T, H], post-norm
             # Logits for the input logprobs (from logprob_start_len) and for the first output token.
             start = length - 1
@@ -283,7 +323,11 @@ class ModelRunner:
         outcome.input_token_logprobs = [(None, job.input_ids[start])] + list(zip(values.tolist(), targets))
         if job.top_logprobs_num > 0:
             k = min(job.top_logprobs_num, self.vocab_size)
-            outcome.input_top_logprobs = [None] + [_top(r, k) for r in logprobs]
+            # One topk and two host copies for all positions (not a GPU sync per position).
+            values, indices = logprobs.topk(k, dim=-1)
+            outcome.input_top_logprobs = [None] + [
+                list(zip(v, i)) for v, i in zip(values.tolist(), indices.tolist())
+            ]
 
     # -- decode --------------------------------------------------------------------------
     def _choose(self, logits_row, sampling: SamplingConfig, generator) -> int:

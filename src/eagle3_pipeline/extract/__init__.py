@@ -1,0 +1,1 @@
+"""Extraction: conversations in, verified per-token hidden states of the target out."""

@@ -1,0 +1,813 @@
+"""``eagle3-pipeline extract``: conversations in, verified per-token hidden states out.
+
+One run is one part (``--part K/N``, default 0/1) of the dataset: the records whose 0-based
+ordinal ``i`` has ``i % N == K``, so N hosts, each with its own server, split the work with no
+coordination and write into one shared output directory. The steps:
+
+1. ask the server what it captures (``/server_info``), load the target's tokenizer and chat
+   template, and compare the data-shaping settings with ``D/extraction.json``;
+2. read the dataset; render and tokenize each of this part's conversations (``loss_mask`` on
+   the assistant tokens); skip bad records with a reason and line number;
+3. drop what the journal already holds (a key hashes the sample id, its tokens and mask, and
+   the settings); refuse, with the numbers, when the disk cannot hold the rest; then lock the
+   settings in ``D/extraction.json`` (a refused run locks nothing);
+4. send the rest, ``concurrency`` requests in flight; check and store each sample (``verify.py``,
+   ``store.py``), retrying a rejected one once; append each outcome to the journal and keep a
+   progress file current;
+5. write the part's manifest; with one part (and without ``--no-merge``) merge it into
+   ``D/data_config.json``.
+
+SIGTERM (the supervisor's stop) and SIGINT stop sending, let the requests in flight finish
+and be stored, and exit; a rerun continues. A kill -9 loses at most the samples in flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import sys
+import threading
+import time
+from array import array
+from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_UNREACHABLE, EXIT_STOPPED = 0, 1, 2, 3, 4
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+RID_PREFIX = "e3x"
+HEADER_BYTES = 400  # a sample file's safetensors header, about
+WRITERS = 2  # threads storing samples beyond the requests in flight
+
+
+def window_size(cfg) -> int:
+    """Samples in hand at once: ``concurrency`` in flight, as many queued to replace them at
+    once (so the server forms its next batch while ours is being stored), and the storers."""
+    return 2 * cfg.concurrency + WRITERS
+
+AUX_LAYER_CONVENTION = "0-based decoder layer index; captured = output of that layer = HF hidden_states[i + 1]"
+
+
+@dataclass
+class ExtractConfig:
+    """Everything one run needs (the CLI's options)."""
+
+    dataset: Path
+    output_dir: Path
+    server_url: str
+    api_key: str | None = None
+    model_path: str | None = None
+    capture_dir: str | None = None
+    num_samples: int | None = None
+    max_length: int = 2048
+    overflow: str = "truncate"
+    concurrency: int = 8
+    shard_size: int = 2000
+    part: tuple[int, int] = (0, 1)
+    chat_template: Path | None = None
+    verify_positions: int = 32
+    verify_full_every: int = 32
+    verify_tolerance: float = 0.05
+    verify_device: str = "cpu"
+    max_skip_ratio: float = 0.05
+    retries: int = 5
+    request_timeout_s: float = 600.0
+    capture_wait_s: float = 60.0
+    merge: bool = True
+    quiet: bool = False
+    trust_remote_code: bool = False
+
+
+@dataclass
+class Prepared:
+    """A sample of this part, tokenized, with its key and file."""
+
+    ordinal: int
+    line: int
+    sample_id: str
+    file: str  # relative to the output directory
+    key: str
+    input_ids: array
+    loss_mask: array
+
+
+@dataclass
+class Plan:
+    """What a run found before sending anything."""
+
+    facts: object
+    settings: dict
+    records: int  # records of this part (samples + skips)
+    prepared: list[Prepared]
+    skipped: list[dict]
+    journal: object
+    done: dict[str, dict]  # key -> journal record of stored samples of this selection
+    todo: list[Prepared] = field(default_factory=list)
+
+
+def _log(cfg: ExtractConfig, message: str) -> None:
+    if not cfg.quiet:
+        print(f"[extract] {message}", file=sys.stderr, flush=True)
+
+
+def _sha256_file(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
+def _model_config(model_path: Path) -> dict:
+    config = json.loads((model_path / "config.json").read_text())
+    return config.get("text_config", config) if "hidden_size" not in config else config
+
+
+def _dtype_name(server_dtype: str | None, config: dict) -> str:
+    if server_dtype in DTYPE_BYTES:
+        return server_dtype
+    configured = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16").removeprefix("torch.")
+    return configured if configured in DTYPE_BYTES else "bfloat16"
+
+
+def data_settings(facts, model_path: Path, renderer, cfg: ExtractConfig) -> dict:
+    """The settings that shape the stored data (all parts and reruns must share them)."""
+    config = _model_config(model_path)
+    tokenizer_files = {name: _sha256_file(model_path / name) for name in ("tokenizer.json", "tokenizer_config.json",
+                                                                            "tokenizer.model")}
+    return {
+        "target_model_path": str(model_path),
+        "target_config_sha256": _sha256_file(model_path / "config.json"),
+        "tokenizer_sha256": {k: v for k, v in tokenizer_files.items() if v},
+        "chat_template_sha256": renderer.template_hash,
+        "chat_template_file": str(cfg.chat_template) if cfg.chat_template else None,
+        "engine": facts.engine,
+        "engine_version": facts.version,
+        "aux_layers": list(facts.aux_layers),
+        "aux_layer_convention": AUX_LAYER_CONVENTION,
+        "engine_layer_ids": facts.engine_layer_ids,
+        "hidden_size": int(config["hidden_size"]),
+        "num_hidden_layers": int(config["num_hidden_layers"]),
+        "vocab_size": int(config["vocab_size"]),
+        "dtype": _dtype_name(facts.dtype, config),
+        "max_length": cfg.max_length,
+        "overflow": cfg.overflow,
+        "shard_size": cfg.shard_size,
+    }
+
+
+def _settings_hash(settings: dict) -> str:
+    from eagle3_pipeline.extract.store import INFORMATIONAL_SETTINGS  # noqa: PLC0415
+
+    shaping = {k: v for k, v in settings.items() if k not in INFORMATIONAL_SETTINGS}
+    return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()
+
+
+def sample_key(settings_hash: str, sample_id: str, ids: array, mask: array) -> str:
+    """What identifies a stored sample: its id, its tokens and mask, and the shaping settings."""
+    digest = hashlib.sha256(settings_hash.encode())
+    digest.update(sample_id.encode("utf-8", "surrogatepass") + b"\0")
+    digest.update(ids.tobytes())
+    digest.update(mask.tobytes())
+    return digest.hexdigest()
+
+
+def make_plan(cfg: ExtractConfig, client, dry: bool = False) -> Plan:
+    """Steps 1-3 of the module docstring; raises ``ValueError`` subclasses on bad settings.
+
+    The settings are compared with the recorded ones, not recorded (``run_extraction`` does
+    that once its checks pass). ``dry``: leave the journal as it is, even a torn last line (a
+    live run may be appending to it).
+    """
+    from eagle3_pipeline.extract import store  # noqa: PLC0415
+    from eagle3_pipeline.extract.client import engine_facts  # noqa: PLC0415
+    from eagle3_pipeline.extract.dataset import Skip, read_dataset  # noqa: PLC0415
+    from eagle3_pipeline.extract.template import SampleError, fit_length, load_renderer  # noqa: PLC0415
+
+    if not cfg.dataset.is_file():
+        raise FileNotFoundError(f"dataset {cfg.dataset} does not exist")
+    facts = engine_facts(client.server_info())
+    model_path = Path(cfg.model_path or facts.model_path)
+    if not (model_path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"target model {model_path}: no config.json there; the extraction reads the tokenizer and lm_head "
+            "from the server's model directory on this host (give --model-path when it lives elsewhere here)"
+        )
+    capture_dir = Path(cfg.capture_dir or facts.capture_dir)
+    if not capture_dir.is_dir():
+        raise FileNotFoundError(
+            f"capture directory {capture_dir} does not exist on this host: run the extraction on the server's host"
+        )
+    cfg.capture_dir = str(capture_dir)
+    renderer = load_renderer(model_path, cfg.chat_template, trust_remote_code=cfg.trust_remote_code)
+    settings = data_settings(facts, model_path, renderer, cfg)
+    store.claim_settings(cfg.output_dir, settings, create=False)
+    settings_hash = _settings_hash(settings)
+    index, count = cfg.part
+    prepared: list[Prepared] = []
+    skipped: list[dict] = []
+    records = 0
+    for item in read_dataset(cfg.dataset, cfg.num_samples):
+        if item.ordinal % count != index:
+            continue
+        records += 1
+        if isinstance(item, Skip):
+            skipped.append({"line": item.line, "id": item.sample_id, "reason": item.reason, "detail": item.detail})
+            continue
+        try:
+            ids, mask = renderer.render(list(item.messages))
+            ids, mask, _ = fit_length(ids, mask, cfg.max_length, cfg.overflow)
+        except SampleError as exc:
+            skipped.append({"line": item.line, "id": item.sample_id, "reason": exc.reason, "detail": exc.detail})
+            continue
+        ids_a, mask_a = array("i", ids), array("B", mask)
+        prepared.append(Prepared(
+            item.ordinal, item.line, item.sample_id,
+            f"{store.shard_dir_name(item.ordinal, cfg.shard_size)}/{item.file_stem}{store.SAMPLE_SUFFIX}",
+            sample_key(settings_hash, item.sample_id, ids_a, mask_a), ids_a, mask_a,
+        ))
+    parts_dir = cfg.output_dir / store.PARTS_DIR
+    splits = {p.name.split(".")[0].split("-of-")[1] for p in parts_dir.glob("part-*-of-*.j*")}
+    other = sorted(splits - {str(count)})
+    if other:
+        raise store.StoreError(
+            f"{cfg.output_dir} holds parts of a split over {' and '.join(other)} host(s), this run is part "
+            f"{index}/{count}: a dataset is extracted by one set of hosts; run with that many hosts, or use another "
+            "output directory"
+        )
+    journal = store.Journal(cfg.output_dir / store.PARTS_DIR / f"{store.part_name(index, count)}.journal.jsonl")
+    records_by_key = journal.load(repair=not dry)
+    done = {p.key: records_by_key[p.key] for p in prepared
+            if store.stored_ok(cfg.output_dir, records_by_key.get(p.key))}
+    plan = Plan(facts, settings, records, prepared, skipped, journal, done)
+    plan.todo = [p for p in prepared if p.key not in done]
+    return plan
+
+
+def estimate_bytes(tokens: int, settings: dict) -> int:
+    """Bytes on disk for ``tokens`` tokens: (n_aux + 1) x H x dtype size per token, plus ids and mask."""
+    per_token = (len(settings["aux_layers"]) + 1) * settings["hidden_size"] * DTYPE_BYTES[settings["dtype"]] + 5
+    return tokens * per_token
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB"
+
+
+def check_room(cfg: ExtractConfig, plan: Plan) -> None:
+    """Refuse to start, with the numbers, when the output or capture filesystem is too small."""
+    from eagle3_pipeline.extract.store import StoreError  # noqa: PLC0415
+
+    tokens = sum(len(p.input_ids) for p in plan.todo)
+    need = estimate_bytes(tokens, plan.settings) + HEADER_BYTES * len(plan.todo)
+    usage = shutil.disk_usage(cfg.output_dir)
+    margin = min(usage.total // 100, 1 << 30)
+    if need > usage.free - margin:
+        raise StoreError(
+            f"not enough disk: {len(plan.todo):,} samples to store ({tokens:,} tokens x "
+            f"({len(plan.settings['aux_layers'])} aux + 1) x {plan.settings['hidden_size']} x "
+            f"{DTYPE_BYTES[plan.settings['dtype']]} bytes) need {_gib(need)}, {cfg.output_dir} has {_gib(usage.free)} "
+            f"free (keeping {_gib(margin)} spare); free space, lower extraction_num_samples, or choose another "
+            "extraction_output_dir. Nothing was sent."
+        )
+    if plan.todo:
+        longest = max(len(p.input_ids) for p in plan.todo)
+        capture_need = window_size(cfg) * estimate_bytes(longest, plan.settings)
+        capture_free = shutil.disk_usage(cfg.capture_dir).free
+        if capture_need > capture_free:
+            raise StoreError(
+                f"capture directory {cfg.capture_dir} has {_gib(capture_free)} free, but {cfg.concurrency} requests "
+                f"in flight of up to {longest:,} tokens may need {_gib(capture_need)}; lower extraction_concurrency "
+                "or extraction_max_length, or give the capture directory more room"
+            )
+
+
+class Progress:
+    """The part's progress file (rewritten at most once a second) and the terminal's progress line."""
+
+    def __init__(self, cfg: ExtractConfig, plan: Plan):
+        from eagle3_pipeline.extract.store import PARTS_DIR, part_name  # noqa: PLC0415
+
+        index, count = cfg.part
+        self.path = cfg.output_dir / PARTS_DIR / f"{part_name(index, count)}.progress.json"
+        self.cfg = cfg
+        self.total = len(plan.prepared)
+        self.done = len(plan.done)
+        self.skipped = len(plan.skipped)
+        self.failed = 0
+        self.tokens_before = sum(r["tokens"] for r in plan.done.values())
+        self.tokens_now = 0
+        self.tokens_todo = sum(len(p.input_ids) for p in plan.todo)
+        self.started = time.time()
+        self._clock = time.monotonic()
+        self._written = 0.0
+        self._write_failed = False
+        self._printed = 0.0
+        self._tty = sys.stderr.isatty()
+        self.state = "running"
+        self.message = ""
+        self.part = f"{index}/{count}"
+
+    def restart_clock(self) -> None:
+        self._clock = time.monotonic()
+
+    def document(self) -> dict:
+        elapsed = max(time.monotonic() - self._clock, 1e-9)
+        rate = self.tokens_now / elapsed
+        left = self.tokens_todo - self.tokens_now
+        return {
+            "state": self.state, "part": self.part, "pid": os.getpid(), "total": self.total, "done": self.done,
+            "skipped": self.skipped, "failed": self.failed, "tokens": self.tokens_before + self.tokens_now,
+            "tokens_per_s": round(rate, 1), "eta_s": round(left / rate, 1) if rate > 0 and left > 0 else (
+                0.0 if left <= 0 else None),
+            "started": self.started, "updated": time.time(), "message": self.message,
+        }
+
+    def update(self, force: bool = False) -> None:
+        from eagle3_pipeline.atomic import atomic_write_text  # noqa: PLC0415
+
+        now = time.monotonic()
+        if force or now - self._written >= 1.0:
+            self._written = now
+            try:
+                atomic_write_text(self.path, json.dumps(self.document(), sort_keys=True) + "\n")
+            except OSError as exc:  # a full disk must end the run with its message, not a traceback here
+                if not self._write_failed:
+                    _log(self.cfg, f"cannot write {self.path}: {exc}")
+                self._write_failed = True
+        if self.cfg.quiet:
+            return
+        if force or (self._tty and now - self._printed >= 0.5) or now - self._printed >= 30:
+            self._printed = now
+            print(("\r" if self._tty else "") + self.line(), end="" if self._tty and not force else "\n",
+                  file=sys.stderr, flush=True)
+
+    def line(self) -> str:
+        doc = self.document()
+        width = 30
+        filled = int(width * doc["done"] / self.total) if self.total else width
+        eta = doc["eta_s"]
+        eta_text = "?" if eta is None else time.strftime("%H:%M:%S", time.gmtime(eta))
+        return (f"[extract {self.part}] [{'#' * filled}{'.' * (width - filled)}] {doc['done']}/{self.total} "
+                f"samples, {self.failed} failed, {doc['tokens_per_s']:,.0f} tokens/s, {eta_text} left")
+
+
+def first_checked_position(cfg: ExtractConfig, ordinal: int, tokens: int) -> int:
+    """Where the top-1 check starts: 0 (every position) for every ``verify_full_every``-th record
+    and when ``verify_positions`` is 0; otherwise the last ``verify_positions`` positions.
+
+    Input logprobs at every position cost the engine a full-vocabulary softmax per token and a
+    large JSON answer; the tail catches a mixed-up request, a wrong layer and shifted rows, and
+    the periodic full check catches damage confined to the start of a prompt.
+    """
+    full = cfg.verify_positions <= 0 or (cfg.verify_full_every > 0 and ordinal % cfg.verify_full_every == 0)
+    return 0 if full else max(0, tokens - cfg.verify_positions)
+
+
+class NotSent(Exception):
+    """A queued sample found the run stopping before its request went out."""
+
+
+class SampleWorker:
+    """Sends one sample, checks its capture, stores it; safe to run in many threads."""
+
+    def __init__(self, cfg: ExtractConfig, plan: Plan, client, lm_head):
+        self.cfg = cfg
+        self.plan = plan
+        self.client = client
+        self.lm_head = lm_head
+        self.inflight = threading.BoundedSemaphore(cfg.concurrency)
+        self.n_aux = len(plan.settings["aux_layers"])
+        self.hidden = plan.settings["hidden_size"]
+        self.dtype = plan.settings["dtype"]
+        self.stopping = threading.Event()
+        # Request ids differ between runs: a killed run's requests may still be in the server
+        # ("Duplicate request ID") or write their captures late.
+        self.run_id = secrets.token_hex(3)
+
+    def _wait_capture(self, rid: str) -> Path:
+        from eagle3_pipeline.capture.writer import capture_path, incomplete_path  # noqa: PLC0415
+        from eagle3_pipeline.extract.verify import SampleRejected  # noqa: PLC0415
+
+        path, incomplete = capture_path(self.cfg.capture_dir, rid), incomplete_path(self.cfg.capture_dir, rid)
+        deadline = time.monotonic() + self.cfg.capture_wait_s
+        delay = 0.001
+        while True:
+            if path.exists():
+                return path
+            if incomplete.exists():
+                record = json.loads(incomplete.read_text())
+                incomplete.unlink(missing_ok=True)
+                raise SampleRejected("capture_incomplete", f"the engine did not capture the whole prefill: {record}")
+            if time.monotonic() > deadline:
+                raise SampleRejected(
+                    "capture_missing",
+                    f"no capture file {path} within {self.cfg.capture_wait_s:.0f} s of the answer; is the server's "
+                    "capture directory this one, and is the capture hook installed?",
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def _attempt(self, prep: Prepared, attempt: int) -> dict:
+        import torch  # noqa: PLC0415
+        from safetensors.torch import load_file  # noqa: PLC0415
+
+        from eagle3_pipeline.capture.writer import capture_path, incomplete_path  # noqa: PLC0415
+        from eagle3_pipeline.extract import store, verify  # noqa: PLC0415
+
+        index = self.cfg.part[0]
+        rid = f"{RID_PREFIX}-{index}-{self.run_id}-{prep.key[:16]}-{attempt}"
+        tokens = len(prep.input_ids)
+        start = first_checked_position(self.cfg, prep.ordinal, tokens)
+        try:
+            with self.inflight:
+                if self.stopping.is_set():  # queued when the run was told to stop: not sent
+                    raise NotSent
+                answer = self.client.generate(prep.input_ids.tolist(), rid, start)
+            meta = answer["meta_info"]
+            verify.check_meta(meta, tokens)
+            path = self._wait_capture(rid)
+            tensors = load_file(str(path))
+            aux, last = tensors["aux_hidden_states"], tensors["last_hidden_states"]
+            verify.check_capture(aux, last, tokens, self.n_aux, self.hidden)
+            if str(last.dtype).removeprefix("torch.") != self.dtype:
+                raise verify.SampleRejected("capture_dtype", f"capture is {last.dtype}, the dataset is {self.dtype}")
+            agreement = verify.check_top1(last, self.lm_head, start, verify.engine_top1(meta, tokens, start),
+                                          self.cfg.verify_tolerance)
+            ids = torch.frombuffer(bytearray(prep.input_ids.tobytes()), dtype=torch.int32)
+            mask = torch.frombuffer(bytearray(prep.loss_mask.tobytes()), dtype=torch.uint8)
+            size, sha = store.write_sample(
+                self.cfg.output_dir / prep.file, ids, mask, aux, last,
+                {"format": store.FORMAT, "id": prep.sample_id, "line": str(prep.line), "key": prep.key},
+            )
+        finally:
+            capture_path(self.cfg.capture_dir, rid).unlink(missing_ok=True)
+            incomplete_path(self.cfg.capture_dir, rid).unlink(missing_ok=True)
+        return {
+            "key": prep.key, "status": "ok", "ordinal": prep.ordinal, "line": prep.line, "id": prep.sample_id,
+            "file": prep.file, "tokens": tokens, "loss_tokens": int(sum(prep.loss_mask)), "bytes": size,
+            "sha256": sha, "checked_positions": agreement.checked, "near_ties": agreement.near_ties,
+            "attempts": attempt + 1,
+        }
+
+    def __call__(self, prep: Prepared) -> dict | None:
+        """The sample's journal record, or None when it was not sent (the run is stopping)."""
+        from eagle3_pipeline.extract.client import EngineError  # noqa: PLC0415
+        from eagle3_pipeline.extract.verify import SampleRejected  # noqa: PLC0415
+
+        failure = None
+        for attempt in range(2):  # a rejected sample is tried once more, then recorded as failed
+            if self.stopping.is_set() and attempt:
+                break
+            try:
+                return self._attempt(prep, attempt)
+            except NotSent:
+                return None
+            except SampleRejected as exc:
+                failure = exc
+            except EngineError as exc:
+                failure = SampleRejected("engine_error", str(exc))
+        return {"key": prep.key, "status": "failed", "ordinal": prep.ordinal, "line": prep.line,
+                "id": prep.sample_id, "tokens": len(prep.input_ids), "reason": failure.reason if failure else "stopped",
+                "detail": failure.detail if failure else "stopped before the retry"}
+
+
+def _remove_leftovers(cfg: ExtractConfig, plan: Plan) -> None:
+    """Temp files of this part's samples (a crash mid-write) and this part's stale captures."""
+    ours: dict[Path, set[str]] = {}
+    for prep in plan.todo:
+        folder, name = prep.file.split("/")
+        ours.setdefault(cfg.output_dir / folder, set()).add(name)
+    for folder, names in ours.items():
+        if not folder.is_dir():
+            continue
+        for entry in folder.iterdir():
+            if entry.name.startswith(".") and entry.name.endswith(".tmp"):
+                target = entry.name[1:].rsplit(".", 2)[0]
+                if target in names:
+                    entry.unlink(missing_ok=True)
+    _remove_stale_captures(cfg)
+
+
+def _remove_stale_captures(cfg: ExtractConfig) -> None:
+    """Capture files of this part's request ids: none is awaited when no request is in flight."""
+    for entry in Path(cfg.capture_dir).glob(f"{RID_PREFIX}-{cfg.part[0]}-*"):
+        entry.unlink(missing_ok=True)
+
+
+def lock_part(cfg: ExtractConfig):
+    """Hold ``parts/part-K-of-N.lock``: a second run of the same part would send the same samples
+    and remove the first one's temp files. Raises ``StoreError`` naming the holder."""
+    import fcntl  # noqa: PLC0415
+
+    from eagle3_pipeline.extract.store import PARTS_DIR, StoreError, part_name  # noqa: PLC0415
+
+    path = cfg.output_dir / PARTS_DIR / f"{part_name(*cfg.part)}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path, "a+")  # noqa: SIM115 - kept open: the lock lives as long as the file object
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise StoreError(
+            f"another extraction of part {cfg.part[0]}/{cfg.part[1]} runs on {cfg.output_dir} (pid {holder}); "
+            "wait for it (eagle3-pipeline progress DIR) or stop it first"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def run_extraction(cfg: ExtractConfig) -> int:  # noqa: PLR0911 - one exit per outcome
+    """The whole run; returns an exit code (see ``EXIT_*``), messages on stderr."""
+    from eagle3_pipeline.extract import store  # noqa: PLC0415
+    from eagle3_pipeline.extract.client import EngineClient, EngineError, ServerUnreachable  # noqa: PLC0415
+    from eagle3_pipeline.extract.verify import load_lm_head  # noqa: PLC0415
+
+    client = EngineClient(cfg.server_url, cfg.api_key, cfg.request_timeout_s, cfg.retries)
+    try:
+        # Held until the run ends. A directory that does not exist yet has no run on it: it is
+        # locked once created, after the checks (a refused run leaves nothing behind).
+        lock = lock_part(cfg) if cfg.output_dir.exists() else None
+        plan = make_plan(cfg, client)
+    except ServerUnreachable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except (OSError, ValueError, EngineError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    index, count = cfg.part
+    _log(cfg, f"part {index}/{count}: {plan.records} records, {len(plan.prepared)} samples, {len(plan.skipped)} "
+              f"skipped, {len(plan.done)} already stored, {len(plan.todo)} to extract "
+              f"({sum(len(p.input_ids) for p in plan.todo):,} tokens) from {client.url} ({plan.facts.engine} "
+              f"{plan.facts.version}, aux layers {plan.facts.aux_layers})")
+    if plan.skipped:
+        reasons = Counter(s["reason"] for s in plan.skipped)
+        _log(cfg, "skipped: " + ", ".join(f"{n} {r}" for r, n in reasons.most_common()))
+    if plan.records and len(plan.skipped) / plan.records > cfg.max_skip_ratio:
+        first = "; ".join(f"line {s['line']}: {s['reason']}: {s['detail']}" for s in plan.skipped[:3])
+        print(f"error: {len(plan.skipped)} of {plan.records} records are unusable, more than the allowed "
+              f"{cfg.max_skip_ratio:.0%} (extraction_max_skip_ratio); fix the dataset or raise the ratio. "
+              f"First: {first}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        cfg.output_dir.mkdir(parents=True, exist_ok=True)
+        check_room(cfg, plan)
+        lock = lock or lock_part(cfg)
+        store.claim_settings(cfg.output_dir, plan.settings)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    progress = Progress(cfg, plan)
+    progress.update(force=True)
+    failed: dict[str, dict] = {}
+    outcome = EXIT_OK
+    if plan.todo:
+        _remove_leftovers(cfg, plan)
+        device = cfg.verify_device
+        lm_head = load_lm_head(plan.settings["target_model_path"], device)
+        _log(cfg, f"top-1 check: lm_head on {device}; all positions of every {cfg.verify_full_every}-th record, "
+                  f"the last {cfg.verify_positions} of the others" if cfg.verify_positions else
+                  f"top-1 check: lm_head on {device}; every position of every sample")
+        worker = SampleWorker(cfg, plan, client, lm_head)
+        progress.restart_clock()  # tokens/s from the first request, not from loading lm_head
+        outcome = _run_samples(cfg, plan, worker, progress, failed)
+        _remove_stale_captures(cfg)  # those of requests a killed earlier run left in flight
+    plan.journal.close()
+    del lock
+    if outcome != EXIT_OK:
+        return outcome
+    samples = [plan.done[p.key] for p in plan.prepared if p.key in plan.done]
+    failures = [{k: r[k] for k in ("line", "id", "reason", "detail")} for r in failed.values()]
+    run_facts = {
+        "dataset": {"name": cfg.dataset.name, "sha256": store.file_sha256(cfg.dataset),
+                    "num_samples_limit": cfg.num_samples},
+        "verification": {"positions": cfg.verify_positions or "all", "all_positions_every": cfg.verify_full_every,
+                         "tolerance_logits": cfg.verify_tolerance,
+                         "checks": ["prompt_tokens", "cached_tokens == 0", "shapes", "finite", "top1 lm_head(last)"]},
+    }
+    store.write_part_manifest(cfg.output_dir, index, count, samples, plan.skipped, failures, plan.records, run_facts)
+    bad = len(plan.skipped) + len(failures)
+    if plan.records and bad / plan.records > cfg.max_skip_ratio:
+        progress.state, progress.message = "failed", (
+            f"{len(failures)} samples failed verification and {len(plan.skipped)} were skipped: more than "
+            f"{cfg.max_skip_ratio:.0%}; see {store.PARTS_DIR}/{store.part_name(index, count)}.json")
+        progress.update(force=True)
+        print(f"error: {progress.message}", file=sys.stderr)
+        return EXIT_FAILED
+    message = f"part {index}/{count} complete: {len(samples)} samples stored, {len(plan.skipped)} skipped, " \
+              f"{len(failures)} failed"
+    if count == 1 and cfg.merge:
+        manifest, _ = store.merge(cfg.output_dir)
+        message += f"; {store.MANIFEST_FILE}: {manifest['num_samples']} samples, {manifest['num_tokens']:,} tokens"
+    progress.state, progress.message = "done", message
+    progress.update(force=True)
+    _log(cfg, message)
+    return EXIT_OK
+
+
+def _run_samples(cfg: ExtractConfig, plan: Plan, worker: SampleWorker, progress: Progress,
+                 failed: dict[str, dict]) -> int:
+    """Step 4: the samples through a thread pool; journal and progress on this thread."""
+    from eagle3_pipeline.extract.client import ServerUnreachable  # noqa: PLC0415
+
+    stop = threading.Event()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous[signum] = signal.signal(signum, lambda *_: stop.set())
+    fatal: BaseException | None = None
+    pending: set[Future] = set()
+    window = window_size(cfg)
+    todo = iter(plan.todo)
+
+    def handle(future: Future) -> None:
+        nonlocal fatal
+        try:
+            record = future.result()
+        except BaseException as exc:  # noqa: BLE001 - the first fatal error stops the run
+            fatal = fatal or exc
+            return
+        if record is None:  # not sent: the rerun does it
+            return
+        try:
+            plan.journal.append(record)
+        except OSError as exc:  # not journaled: the sample is redone by the rerun
+            fatal = fatal or exc
+            return
+        if record["status"] == "ok":
+            plan.done[record["key"]] = record
+            failed.pop(record["key"], None)
+            progress.done += 1
+            progress.tokens_now += record["tokens"]
+        else:
+            failed[record["key"]] = record
+            progress.failed += 1
+            progress.tokens_todo -= record["tokens"]
+
+    try:
+        with ThreadPoolExecutor(max_workers=window, thread_name_prefix="sample") as pool:
+            exhausted = False
+            while True:
+                while not exhausted and fatal is None and not stop.is_set() and len(pending) < window:
+                    prep = next(todo, None)
+                    if prep is None:
+                        exhausted = True
+                        break
+                    pending.add(pool.submit(worker, prep))
+                if not pending:
+                    break
+                finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    handle(future)
+                if fatal is not None or stop.is_set():
+                    worker.stopping.set()
+                progress.update()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if fatal is not None:
+        progress.state = "failed"
+        if isinstance(fatal, ServerUnreachable):
+            code = EXIT_UNREACHABLE
+            progress.message = str(fatal)
+        elif isinstance(fatal, OSError):
+            code = EXIT_FAILED
+            free = shutil.disk_usage(cfg.output_dir).free
+            progress.message = (f"cannot store a sample: {fatal} ({_gib(free)} free in {cfg.output_dir}); the "
+                                f"{progress.done} samples stored are kept: free space there (or fix the cause) "
+                                "and rerun to continue")
+        else:
+            code = EXIT_FAILED
+            progress.message = f"{type(fatal).__name__}: {fatal}"
+        progress.update(force=True)
+        print(f"error: {progress.message}", file=sys.stderr)
+        return code
+    if stop.is_set():
+        progress.state = "stopped"
+        progress.message = f"stopped on request after {progress.done} of {progress.total} samples; rerun to continue"
+        progress.update(force=True)
+        _log(cfg, progress.message)
+        return EXIT_STOPPED
+    return EXIT_OK
+
+
+def check_status(cfg: ExtractConfig) -> dict:
+    """``--check``: what a run would do, sending no sample."""
+    from eagle3_pipeline.extract import store  # noqa: PLC0415
+    from eagle3_pipeline.extract.client import EngineClient  # noqa: PLC0415
+
+    client = EngineClient(cfg.server_url, cfg.api_key, cfg.request_timeout_s, cfg.retries)
+    plan = make_plan(cfg, client, dry=True)
+    index, count = cfg.part
+    manifest = cfg.output_dir / store.PARTS_DIR / f"{store.part_name(index, count)}.json"
+    return {
+        "part": f"{index}/{count}",
+        "records": plan.records,
+        "samples": len(plan.prepared),
+        "skipped": len(plan.skipped),
+        "stored": len(plan.done),
+        "todo": len(plan.todo),
+        "todo_tokens": sum(len(p.input_ids) for p in plan.todo),
+        "estimated_bytes": estimate_bytes(sum(len(p.input_ids) for p in plan.todo), plan.settings),
+        "complete": not plan.todo and manifest.is_file(),
+    }
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Options of ``eagle3-pipeline extract``."""
+    parser.add_argument("--dataset", type=Path, required=True, help="JSONL: ShareGPT conversations or OpenAI messages")
+    parser.add_argument("--output-dir", type=Path, required=True)
+    parser.add_argument("--server-url", required=True, help="http://HOST:PORT of the capturing server")
+    parser.add_argument("--api-key-env", metavar="NAME", help="read the server's API key from this variable")
+    parser.add_argument("--api-key-stdin", action="store_true",
+                        help="read the server's API key from the first line of standard input")
+    parser.add_argument("--model-path", help="the target model directory here (default: the server's model_path)")
+    parser.add_argument("--capture-dir", help="the server's capture directory (default: from /server_info)")
+    parser.add_argument("--num-samples", type=int, help="only the first N records (default: all)")
+    parser.add_argument("--max-length", type=int, default=2048)
+    parser.add_argument("--overflow", choices=["truncate", "skip"], default="truncate",
+                        help="a sample longer than --max-length is cut there, or skipped")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    parser.add_argument("--shard-size", type=int, default=2000, help="samples per rows_<a>-<b> directory")
+    parser.add_argument("--part", default="0/1", help="K/N: this host's share (records with ordinal %% N == K)")
+    parser.add_argument("--chat-template", type=Path, help="a Jinja chat template file instead of the tokenizer's")
+    parser.add_argument("--verify-positions", type=int, default=32,
+                        help="check the top-1 at the last N positions of each sample (0: all positions always)")
+    parser.add_argument("--verify-full-every", type=int, default=32,
+                        help="also check every position of every N-th record (1: all samples; 0: never)")
+    parser.add_argument("--verify-tolerance", type=float, default=0.05,
+                        help="a top-1 mismatch within this many logits of our best is a near-tie, accepted")
+    parser.add_argument("--verify-device", choices=["cpu", "cuda"], default="cpu",
+                        help="where lm_head runs for the check; cpu by default: on the server's GPU the check's "
+                        "kernels time-slice with the server's (measured on an H200: 8%% fewer tokens/s)")
+    parser.add_argument("--max-skip-ratio", type=float, default=0.05)
+    parser.add_argument("--retries", type=int, default=5, help="retries of a request on transient failures")
+    parser.add_argument("--request-timeout-s", type=float, default=600.0)
+    parser.add_argument("--check", action="store_true", help="print what a run would do as JSON; send nothing")
+    parser.add_argument("--no-merge", action="store_true", help="do not merge into data_config.json at the end")
+    parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="allow the tokenizer's own code (Kimi's tiktoken tokenizer needs it)")
+
+
+def config_from_args(args: argparse.Namespace) -> ExtractConfig:
+    from eagle3_pipeline.extract.store import parse_part  # noqa: PLC0415
+
+    api_key = None
+    if args.api_key_stdin:
+        api_key = sys.stdin.readline().strip()
+        if not api_key:
+            raise ValueError("--api-key-stdin: standard input held no key")
+    elif args.api_key_env:
+        api_key = os.environ.get(args.api_key_env)
+        if not api_key:
+            raise ValueError(f"--api-key-env {args.api_key_env}: that variable is unset or empty")
+    for name in ("max_length", "concurrency", "shard_size", "retries"):
+        if getattr(args, name) < (0 if name == "retries" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be at least {0 if name == 'retries' else 1}")
+    if args.verify_positions < 0 or args.verify_full_every < 0 or args.verify_tolerance < 0:
+        raise ValueError("--verify-positions, --verify-full-every and --verify-tolerance must not be negative")
+    if args.num_samples is not None and args.num_samples < 1:
+        raise ValueError("--num-samples must be at least 1")
+    if not 0 <= args.max_skip_ratio <= 1:
+        raise ValueError("--max-skip-ratio must be between 0 and 1")
+    return ExtractConfig(
+        dataset=args.dataset, output_dir=args.output_dir, server_url=args.server_url, api_key=api_key,
+        model_path=args.model_path, capture_dir=args.capture_dir, num_samples=args.num_samples,
+        max_length=args.max_length, overflow=args.overflow, concurrency=args.concurrency,
+        shard_size=args.shard_size, part=parse_part(args.part), chat_template=args.chat_template,
+        verify_positions=args.verify_positions, verify_full_every=args.verify_full_every,
+        verify_tolerance=args.verify_tolerance,
+        verify_device=args.verify_device, max_skip_ratio=args.max_skip_ratio, retries=args.retries,
+        request_timeout_s=args.request_timeout_s, merge=not args.no_merge, quiet=args.quiet,
+        trust_remote_code=args.trust_remote_code,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """``eagle3-pipeline extract``."""
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.check:
+        from eagle3_pipeline.extract.client import ServerUnreachable  # noqa: PLC0415
+
+        try:
+            print(json.dumps(check_status(cfg), sort_keys=True))
+        except ServerUnreachable as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_UNREACHABLE
+        except (OSError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        return EXIT_OK
+    return run_extraction(cfg)

@@ -1,0 +1,382 @@
+"""The extracted dataset on disk: sample files, the journal, the settings lock, the manifests.
+
+Layout of an output directory ``D``::
+
+    D/extraction.json                 the settings that shape the data (first run writes it; later
+                                      runs and other hosts must match it, or are refused)
+    D/rows_<a>-<b>/<stem>.safetensors one verified sample: input_ids [T] int32, loss_mask [T] uint8,
+                                      aux_hidden_states [T, n_aux*H], last_hidden_states [T, H]
+    D/parts/part-K-of-N.journal.jsonl one line per sample stored (or failed) by part K of N
+    D/parts/part-K-of-N.json          the part's manifest, written when the part is complete
+    D/parts/part-K-of-N.progress.json progress of the running part (for the role and the CLI)
+    D/token_counts.safetensors        counts [V] int64 of the loss-masked target tokens
+    D/data_config.json                the merged manifest: settings, shards, per-file checksums
+
+Crash safety: a sample file appears by rename (never half-written under its name), then its
+journal line is appended. Killed between the two, the file is simply redone (same bytes). A
+journal line counts only when its file exists with the recorded size; ``verify`` re-reads
+every byte against the recorded SHA-256. A torn last journal line (kill -9 mid-write) is cut
+off on the next open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+import threading
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from eagle3_pipeline.atomic import atomic_write, atomic_write_text
+from eagle3_pipeline.capture.writer import save_safetensors
+
+FORMAT = "eagle3-pipeline/hidden-states"
+FORMAT_VERSION = 1
+SETTINGS_FILE = "extraction.json"
+MANIFEST_FILE = "data_config.json"
+TOKEN_COUNTS_FILE = "token_counts.safetensors"
+PARTS_DIR = "parts"
+# Recorded for the reader, but not compared between runs: they do not change the stored values.
+INFORMATIONAL_SETTINGS = ("target_model_path", "engine_version", "chat_template_file")
+SAMPLE_SUFFIX = ".safetensors"
+
+
+class StoreError(ValueError):
+    """The output directory cannot be used as asked; the message says why and what to do."""
+
+
+def shard_dir_name(ordinal: int, shard_size: int) -> str:
+    """``rows_<a>-<b>`` holding record ``ordinal`` (a multiple of ``shard_size``)."""
+    start = ordinal // shard_size * shard_size
+    return f"rows_{start}-{start + shard_size}"
+
+
+def part_name(index: int, count: int) -> str:
+    """``part-K-of-N``."""
+    return f"part-{index}-of-{count}"
+
+
+def parse_part(text: str) -> tuple[int, int]:
+    """``"K/N"`` to (K, N), 0 <= K < N."""
+    try:
+        index, count = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"part {text!r}: expected K/N, e.g. 0/2 for the first of two hosts") from None
+    if not 0 <= index < count:
+        raise ValueError(f"part {text!r}: need 0 <= K < N")
+    return index, count
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file, read in 8 MiB blocks (hashlib releases the GIL)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(8 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_sample(path: Path, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor,
+                 last: torch.Tensor, metadata: dict[str, str]) -> tuple[int, str]:
+    """Write one sample atomically; return (bytes, sha256) computed while writing."""
+    tensors = {"input_ids": input_ids, "loss_mask": loss_mask, "aux_hidden_states": aux, "last_hidden_states": last}
+    digest = hashlib.sha256()
+    sizes = []
+    atomic_write(path, lambda tmp: sizes.append(save_safetensors(tensors, tmp, metadata, digest)))
+    return sizes[-1], digest.hexdigest()
+
+
+# -- the settings lock --------------------------------------------------------------------
+def claim_settings(out_dir: Path, settings: dict, create: bool = True) -> bool:
+    """Record ``settings`` in ``D/extraction.json``, or check that they match the recorded ones.
+
+    Returns True when this call created the file. Refuses (``StoreError`` naming every field
+    that differs) to mix data made with other settings in one directory. ``create=False``
+    only compares (when the file exists).
+    """
+    path = out_dir / SETTINGS_FILE
+    text = json.dumps(settings, indent=2, sort_keys=True) + "\n"
+    if not create and not path.exists():
+        return False
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Written whole beside it, then linked into place: link fails if another host (or run) got
+    # there first, and no reader ever sees a half-written file.
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{SETTINGS_FILE}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.chmod(tmp, 0o644)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        recorded = json.loads(path.read_text())
+        differ = sorted(key for key in set(recorded) | set(settings)
+                        if key not in INFORMATIONAL_SETTINGS and recorded.get(key) != settings.get(key))
+        if differ:
+            lines = "; ".join(f"{key}: recorded {recorded.get(key)!r}, now {settings.get(key)!r}" for key in differ)
+            raise StoreError(
+                f"{out_dir} holds data extracted with other settings ({lines}); use another output directory, "
+                "or delete that one to start over"
+            ) from None
+        return False
+    finally:
+        os.unlink(tmp)
+    return True
+
+
+def read_settings(out_dir: Path) -> dict:
+    path = out_dir / SETTINGS_FILE
+    if not path.is_file():
+        raise StoreError(f"{out_dir}: no {SETTINGS_FILE}: not an extraction output directory (or nothing ran yet)")
+    return json.loads(path.read_text())
+
+
+# -- the journal --------------------------------------------------------------------------
+class Journal:
+    """Append-only JSON lines; the last record of a key wins."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._lock = threading.Lock()
+        self._handle = None
+
+    def load(self, repair: bool = True) -> dict[str, dict]:
+        """Records by key, after cutting off a torn last line (kill -9 during an append).
+
+        ``repair=False`` only reads (a reader beside a live run must not cut its append).
+        """
+        records: dict[str, dict] = {}
+        if not self.path.exists():
+            return records
+        raw = self.path.read_bytes()
+        end = raw.rfind(b"\n") + 1
+        if end != len(raw) and repair:
+            with open(self.path, "r+b") as handle:
+                handle.truncate(end)
+        for line in raw[:end].splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line torn and then followed by others (should not happen; never trusted)
+            records[record["key"]] = record
+        return records
+
+    def append(self, record: dict) -> None:
+        line = json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n"
+        with self._lock:
+            if self._handle is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
+            try:
+                self._handle.write(line)
+                self._handle.flush()
+            except OSError:
+                # A full disk: drop the buffered rest of the line (closing would retry it); at
+                # worst a torn line stays, which load() never trusts.
+                handle, self._handle = self._handle, None
+                with contextlib.suppress(OSError):
+                    handle.close()
+                raise
+
+    def close(self) -> None:
+        with self._lock:
+            if self._handle is not None:
+                self._handle.close()
+                self._handle = None
+
+
+def stored_ok(out_dir: Path, record: dict | None) -> bool:
+    """A journal record of a stored sample whose file is present with the recorded size."""
+    if not record or record.get("status") != "ok":
+        return False
+    try:
+        return (out_dir / record["file"]).stat().st_size == record["bytes"]
+    except OSError:
+        return False
+
+
+# -- manifests ----------------------------------------------------------------------------
+def _dump(document: dict) -> str:
+    return json.dumps(document, indent=1, sort_keys=True) + "\n"
+
+
+def write_if_changed(path: Path, text: str) -> bool:
+    """Write ``text`` atomically unless the file already holds it; True when written."""
+    try:
+        if path.read_text() == text:
+            return False
+    except OSError:
+        pass
+    atomic_write_text(path, text)
+    return True
+
+
+def write_part_manifest(out_dir: Path, index: int, count: int, samples: list[dict], skipped: list[dict],
+                        failed: list[dict], num_records: int, run: dict) -> bool:
+    """The manifest of one complete part; True when (re)written.
+
+    ``run`` records the dataset (name, checksum, the first-N limit) and the verification settings.
+    """
+    document = {
+        "part": f"{index}/{count}",
+        **run,
+        "num_records": num_records,
+        "samples": sorted(samples, key=lambda s: s["ordinal"]),
+        "skipped": sorted(skipped, key=lambda s: s["line"]),
+        "failed": sorted(failed, key=lambda s: s["line"]),
+    }
+    return write_if_changed(out_dir / PARTS_DIR / f"{part_name(index, count)}.json", _dump(document))
+
+
+def _count_tokens(out_dir: Path, files: Iterable[str], vocab_size: int) -> torch.Tensor:
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for name in files:
+        with safe_open(str(out_dir / name), framework="pt") as handle:
+            ids = handle.get_tensor("input_ids").long()
+            mask = handle.get_tensor("loss_mask").bool()
+        counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def merge(out_dir: Path) -> tuple[dict, bool]:
+    """Merge the parts' manifests into ``data_config.json`` and count the target tokens.
+
+    Every part 0..N-1 of one N must be complete. Returns (manifest, changed); a merge over
+    unchanged parts rewrites nothing.
+    """
+    settings = read_settings(out_dir)
+    parts_dir = out_dir / PARTS_DIR
+    found = sorted(parts_dir.glob("part-*-of-*.json")) if parts_dir.is_dir() else []
+    manifests = [p for p in found if not p.name.endswith((".progress.json",))]
+    counts = {int(p.name.split("-of-")[1][:-5]) for p in manifests}
+    if len(counts) != 1:
+        raise StoreError(
+            f"{parts_dir}: " + ("no complete part yet" if not counts else f"parts of different splits {sorted(counts)}")
+            + "; run the extraction (every part) first"
+        )
+    count = counts.pop()
+    parts = {int(p.name.split("-")[1]): json.loads(p.read_text()) for p in manifests}
+    missing = [k for k in range(count) if k not in parts]
+    if missing:
+        raise StoreError(f"{parts_dir}: parts {missing} of {count} are not complete yet; wait for them, or rerun them")
+    samples = sorted((s for part in parts.values() for s in part["samples"]), key=lambda s: s["ordinal"])
+    skipped = sorted((s for part in parts.values() for s in part["skipped"]), key=lambda s: s["line"])
+    failed = sorted((s for part in parts.values() for s in part["failed"]), key=lambda s: s["line"])
+    shards: dict[str, dict] = {}
+    for sample in samples:
+        shard = shards.setdefault(sample["file"].split("/")[0], {"num_samples": 0, "num_tokens": 0, "files": []})
+        shard["num_samples"] += 1
+        shard["num_tokens"] += sample["tokens"]
+        shard["files"].append({key: sample[key] for key in ("file", "id", "line", "tokens", "loss_tokens",
+                                                              "bytes", "sha256")})
+    token_counts = _count_tokens(out_dir, (s["file"] for s in samples), settings["vocab_size"])
+    counts_changed = False
+    counts_path = out_dir / TOKEN_COUNTS_FILE
+    existing = None
+    if counts_path.is_file():
+        try:
+            with safe_open(str(counts_path), framework="pt") as handle:
+                existing = handle.get_tensor("counts")
+        except (SafetensorError, OSError):
+            existing = None
+    if existing is None or not torch.equal(existing, token_counts):
+        atomic_write(counts_path, lambda tmp: save_safetensors({"counts": token_counts}, tmp, {"format": FORMAT}))
+        counts_changed = True
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        **settings,
+        "dataset": parts[0]["dataset"],
+        "verification": parts[0]["verification"],
+        "num_records": sum(part["num_records"] for part in parts.values()),
+        "num_samples": len(samples),
+        "num_tokens": sum(s["tokens"] for s in samples),
+        "num_loss_tokens": sum(s["loss_tokens"] for s in samples),
+        "bytes": sum(s["bytes"] for s in samples),
+        "parts": count,
+        "shards": dict(sorted(shards.items(), key=lambda kv: int(kv[0].split("_")[1].split("-")[0]))),
+        "skipped": skipped,
+        "failed": failed,
+        "token_counts": {"file": TOKEN_COUNTS_FILE, "sha256": file_sha256(counts_path),
+                         "loss_tokens": int(token_counts.sum())},
+    }
+    changed = write_if_changed(out_dir / MANIFEST_FILE, _dump(manifest))
+    return manifest, changed or counts_changed
+
+
+# -- verify -------------------------------------------------------------------------------
+def _check_file(  # noqa: PLR0911 - one return per problem found
+    out_dir: Path, entry: dict, n_aux: int, hidden: int, dtype: str, deep: bool
+) -> str | None:
+    path = out_dir / entry["file"]
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return f"{entry['file']}: missing"
+    if size != entry["bytes"]:
+        return f"{entry['file']}: {size} bytes, the manifest says {entry['bytes']}"
+    if not deep:
+        return None
+    if file_sha256(path) != entry["sha256"]:
+        return f"{entry['file']}: checksum differs from the manifest (the file changed or is corrupt)"
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 - not a dict
+    except (SafetensorError, OSError, RuntimeError) as exc:
+        return f"{entry['file']}: unreadable: {exc}"
+    tokens = entry["tokens"]
+    want = {"input_ids": (tokens,), "loss_mask": (tokens,), "aux_hidden_states": (tokens, n_aux * hidden),
+            "last_hidden_states": (tokens, hidden)}
+    for name, shape in want.items():
+        if name not in tensors or tuple(tensors[name].shape) != shape:
+            got = tuple(tensors[name].shape) if name in tensors else "absent"
+            return f"{entry['file']}: {name} is {got}, expected {shape}"
+    for name in ("aux_hidden_states", "last_hidden_states"):
+        if str(tensors[name].dtype).removeprefix("torch.") != dtype:
+            return f"{entry['file']}: {name} is {tensors[name].dtype}, the manifest says {dtype}"
+        if not bool(torch.isfinite(tensors[name]).all()):
+            return f"{entry['file']}: {name} has NaN or inf values"
+    if int(tensors["loss_mask"].sum()) != entry["loss_tokens"]:
+        return f"{entry['file']}: loss_mask has {int(tensors['loss_mask'].sum())} ones, the manifest says " \
+               f"{entry['loss_tokens']}"
+    return None
+
+
+def verify_dataset(out_dir: Path, deep: bool = True, threads: int = 4) -> dict:
+    """Re-check every file against ``data_config.json``; a report with the problems found."""
+    manifest_path = out_dir / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise StoreError(f"{out_dir}: no {MANIFEST_FILE}; the extraction has not completed (or merged) there")
+    manifest = json.loads(manifest_path.read_text())
+    entries = [entry for shard in manifest["shards"].values() for entry in shard["files"]]
+    n_aux, hidden, dtype = len(manifest["aux_layers"]), manifest["hidden_size"], manifest["dtype"]
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        results = list(pool.map(lambda e: _check_file(out_dir, e, n_aux, hidden, dtype, deep), entries))
+    problems = [r for r in results if r]
+    listed = {entry["file"] for entry in entries}
+    extra = sorted(
+        str(p.relative_to(out_dir)) for p in out_dir.glob("rows_*/*")
+        if str(p.relative_to(out_dir)) not in listed
+    )
+    counts = manifest.get("token_counts") or {}
+    counts_path = out_dir / counts.get("file", TOKEN_COUNTS_FILE)
+    if not counts_path.is_file() or (deep and file_sha256(counts_path) != counts.get("sha256")):
+        problems.append(f"{counts_path.name}: missing or changed since the merge")
+    return {
+        "ok": not problems,
+        "checked": len(entries),
+        "deep": deep,
+        "problems": problems,
+        "extra_files": extra,
+        "num_samples": manifest["num_samples"],
+        "num_tokens": manifest["num_tokens"],
+        "bytes": manifest["bytes"],
+        "skipped": len(manifest["skipped"]),
+        "failed": len(manifest["failed"]),
+    }

@@ -1,0 +1,26 @@
+"""Running one of the project's playbooks through ansible-runner, as Python programs drive it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ansible_runner
+
+from eagle3_pipeline.cli import runner_path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_project_playbook(private_data_dir: Path, playbook: Path, inventory: Path, extravars: dict,
+                         check: bool = False):
+    """The finished ``ansible_runner.Runner`` of ``playbook`` (quiet; no colours in its stdout)."""
+    return ansible_runner.run(
+        private_data_dir=str(private_data_dir),
+        playbook=str(playbook),
+        inventory=str(inventory),
+        extravars=extravars,
+        cmdline="--check" if check else None,
+        # PATH: ansible-runner finds ansible-playbook there; the venv needs no activation.
+        envvars={"ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "PATH": runner_path(), "ANSIBLE_NOCOLOR": "1"},
+        quiet=True,
+    )

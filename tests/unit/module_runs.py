@@ -1,0 +1,18 @@
+"""Running an Ansible module's ``main()`` in-process, as ansible-core's own tests do."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from ansible.module_utils.testing import patch_module_args
+
+
+def run_module(module, args, capsys, check_mode=False):
+    """Run ``module.main()`` with ``args``; return (exit code, parsed JSON result)."""
+    args = dict(args)
+    if check_mode:
+        args["_ansible_check_mode"] = True
+    with patch_module_args(args), pytest.raises(SystemExit) as exc:
+        module.main()
+    return exc.value.code, json.loads(capsys.readouterr().out)
