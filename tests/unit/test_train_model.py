@@ -1,0 +1,336 @@
+"""The EAGLE-3 drafter: SGLang's weight names, the config from the target, the TTT attention pattern
+against a plain per-step computation, the teacher, the loss and the metrics on hand-made examples.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3_pipeline.train.model import (
+    DrafterConfig,
+    DrafterConfigError,
+    Eagle3Drafter,
+    acceptance_length,
+    rope_inv_freq,
+    teacher_targets,
+    ttt_attention_mask,
+    ttt_loss,
+    ttt_metrics,
+)
+from eagle3_pipeline.train.vocab import build_draft_vocab
+
+SGLANG_EAGLE3 = (Path(__file__).resolve().parents[2] / ".venv-sglang/lib/python3.11/site-packages/sglang/srt/models"
+                 / "llama_eagle3.py")
+TARGET = {
+    "hidden_size": 16,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 24,
+    "vocab_size": 40,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 128,
+    "hidden_act": "silu",
+}
+N_AUX = 3
+DRAFT = 24
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """At these tiny shapes the thread pool's overhead dominates (20x on a loaded 2-core runner)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_drafter(seed: int = 0, **overrides) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    config = DrafterConfig.from_target(TARGET, N_AUX, DRAFT, **overrides)
+    counts = torch.randint(0, 50, (TARGET["vocab_size"],))
+    vocab = build_draft_vocab(counts, DRAFT)
+    model = Eagle3Drafter(config, vocab.d2t, vocab.t2d)
+    torch.nn.init.normal_(model.embed_tokens.weight)
+    return model
+
+
+# The names and shapes SGLang 0.5.23's LlamaForCausalLMEagle3.load_weights reads (llama_eagle3.py):
+# "midlayer" is renamed to "layers.0", q/k/v_proj are stacked into qkv_proj and gate/up_proj into
+# gate_up_proj, other names get "model." prepended; d2t becomes hot_token_id, t2d is skipped;
+# embed_tokens is replaced by the target's (eagle_worker_v2.init_lm_head -> set_embed), so the
+# exporter leaves it out. qkv reads 2H (the input layer concatenates embeddings and hidden).
+H, HEADS, KV, HD, MLP, V = 16, 4, 2, 4, 24, 40
+SGLANG_NAMES = {
+    "fc.weight": (H, N_AUX * H),
+    "midlayer.input_layernorm.weight": (H,),
+    "midlayer.hidden_norm.weight": (H,),
+    "midlayer.self_attn.q_proj.weight": (HEADS * HD, 2 * H),
+    "midlayer.self_attn.k_proj.weight": (KV * HD, 2 * H),
+    "midlayer.self_attn.v_proj.weight": (KV * HD, 2 * H),
+    "midlayer.self_attn.o_proj.weight": (H, HEADS * HD),
+    "midlayer.post_attention_layernorm.weight": (H,),
+    "midlayer.mlp.gate_proj.weight": (MLP, H),
+    "midlayer.mlp.up_proj.weight": (MLP, H),
+    "midlayer.mlp.down_proj.weight": (H, MLP),
+    "norm.weight": (H,),
+    "lm_head.weight": (DRAFT, H),
+    "d2t": (DRAFT,),
+    "t2d": (V,),
+}
+
+
+def test_state_dict_names_and_shapes_are_sglangs():
+    state = tiny_drafter().state_dict()
+    assert state.pop("embed_tokens.weight").shape == (V, H)
+    assert {name: tuple(t.shape) for name, t in state.items()} == SGLANG_NAMES
+    assert state["d2t"].dtype == torch.int64
+    assert state["t2d"].dtype == torch.bool
+    trainable = {name for name, p in tiny_drafter().named_parameters() if p.requires_grad}
+    assert trainable == set(SGLANG_NAMES) - {"d2t", "t2d"}
+
+
+@pytest.mark.skipif(not SGLANG_EAGLE3.is_file(), reason="no .venv-sglang (make test creates it)")
+def test_the_pinned_sglang_still_maps_names_as_listed_here():
+    text = SGLANG_EAGLE3.read_text()
+    for mapping in ('"midlayer": "layers.0"', '(".qkv_proj", ".q_proj", "q")', '(".qkv_proj", ".k_proj", "k")',
+                    '(".qkv_proj", ".v_proj", "v")', '(".gate_up_proj", ".gate_proj", 0)',
+                    '(".gate_up_proj", ".up_proj", 1)', 'if "d2t" in name', 'if "t2d" in name',
+                    "self.hidden_norm = RMSNorm", "hidden_size = 2 * self.hidden_size if self.is_input_layer",
+                    "torch.cat([embeds, hidden_states], dim=-1)"):
+        assert mapping in text, mapping
+
+
+def test_config_from_target_and_overrides():
+    config = DrafterConfig.from_target(TARGET, N_AUX, None)
+    shape = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+    assert shape == (16, 4, 2, 4)
+    assert (config.intermediate_size, config.draft_vocab_size, config.rms_norm_eps) == (24, 40, 1e-6)
+    wide = DrafterConfig.from_target({**TARGET, "head_dim": 8}, N_AUX, 8, hidden_size=32, intermediate_size=64)
+    assert (wide.hidden_size, wide.target_hidden_size, wide.head_dim, wide.intermediate_size) == (32, 16, 8, 64)
+    assert DrafterConfig.from_target({**TARGET, "head_dim": 8}, N_AUX, 8).head_dim == 8
+    nested = DrafterConfig.from_target({"text_config": TARGET, "architectures": ["X"]}, 2, 8)
+    assert (nested.hidden_size, nested.num_aux_hidden_states) == (16, 2)
+    llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    v5 = DrafterConfig.from_target({**TARGET, "rope_parameters": llama3}, N_AUX, 8)
+    assert (v5.rope_theta, v5.rope_scaling["rope_type"]) == (500000.0, "llama3")
+
+
+@pytest.mark.parametrize(
+    ("target", "kwargs", "words"),
+    [
+        (TARGET, {"draft_vocab_size": 41}, "eagle_training_draft_vocab_size=41"),
+        (TARGET, {"num_attention_heads": 3}, "multiple of num_key_value_heads"),
+        ({**TARGET, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, {}, "rope type 'yarn'"),
+        ({**TARGET, "hidden_act": "gelu"}, {}, "hidden_act 'gelu'"),
+        ({"num_attention_heads": 4}, {}, "no 'hidden_size'"),
+    ],
+)
+def test_config_refusals_name_the_field(target, kwargs, words):
+    with pytest.raises((DrafterConfigError, ValueError), match=words):
+        DrafterConfig.from_target(target, N_AUX, **kwargs)
+
+
+def test_llama3_rope_frequencies_match_transformers():
+    modeling_rope_utils = pytest.importorskip("transformers.modeling_rope_utils")
+    from transformers import LlamaConfig
+
+    llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    target = {**TARGET, "hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2,
+              "max_position_embeddings": 1024, "rope_parameters": llama3}
+    ours = rope_inv_freq(DrafterConfig.from_target(target, N_AUX, 8))
+    theirs, _ = modeling_rope_utils.ROPE_INIT_FUNCTIONS["llama3"](LlamaConfig(**target))
+    torch.testing.assert_close(ours, theirs.float(), rtol=1e-6, atol=0)
+
+
+def test_attention_mask_pattern_on_a_small_example():
+    mask = ttt_attention_mask(torch.tensor([[0, 0, 1]]), 3)[0, 0].int()
+    expected = [
+        # step-0 keys  step-1 keys  step-2 keys
+        [1, 0, 0,      1, 0, 0,     1, 0, 0],
+        [1, 1, 0,      0, 1, 0,     0, 1, 0],
+        [0, 0, 1,      0, 0, 1,     0, 0, 1],  # row 2 starts another packed sample
+    ]
+    assert mask.tolist() == expected
+
+
+def plain_rope(x: torch.Tensor, position: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate one head vector [hd]: pairs (i, i + hd/2) by the angle position * inv_freq[i]."""
+    half = x.shape[0] // 2
+    angle = position * inv_freq.to(x.dtype)
+    first, second = x[:half], x[half:]
+    return torch.cat([first * angle.cos() - second * angle.sin(), second * angle.cos() + first * angle.sin()])
+
+
+def reference_ttt(model: Eagle3Drafter, input_ids, aux, doc_ids, positions, steps: int) -> list[torch.Tensor]:
+    """The unrolled steps written plainly: row by row, head by head, keys listed explicitly."""
+    layer, attn = model.midlayer, model.midlayer.self_attn
+    batch, length = input_ids.shape
+    group = attn.heads // attn.kv_heads
+    hidden = model.fc(aux)
+    keys, values, logits = [], [], []  # keys[i][b][t]: [kv_heads, hd] of step i, row t
+    for step in range(steps):
+        tokens = torch.zeros_like(input_ids)
+        for t in range(length):
+            if t + 1 + step < length:
+                tokens[:, t] = input_ids[:, t + 1 + step]
+        x = layer.attention_input(model.embed_tokens(tokens), hidden)
+        q = attn.q_proj(x).view(batch, length, attn.heads, attn.head_dim)
+        k = attn.k_proj(x).view(batch, length, attn.kv_heads, attn.head_dim)
+        v = attn.v_proj(x).view(batch, length, attn.kv_heads, attn.head_dim)
+        q = torch.stack([torch.stack([torch.stack([plain_rope(q[b, t, h], int(positions[b, t]) + step, model.inv_freq)
+                                                   for h in range(attn.heads)]) for t in range(length)])
+                         for b in range(batch)])
+        k = torch.stack([torch.stack([torch.stack([plain_rope(k[b, t, h], int(positions[b, t]) + step, model.inv_freq)
+                                                   for h in range(attn.kv_heads)]) for t in range(length)])
+                         for b in range(batch)])
+        keys.append(k)
+        values.append(v)
+        out = torch.zeros(batch, length, attn.heads, attn.head_dim, dtype=x.dtype)
+        for b in range(batch):
+            for t in range(length):
+                for h in range(attn.heads):
+                    g = h // group
+                    prefix = [j for j in range(t + 1) if doc_ids[b, j] == doc_ids[b, t]]
+                    ks = [keys[0][b, j, g] for j in prefix] + [keys[i][b, t, g] for i in range(1, step + 1)]
+                    vs = [values[0][b, j, g] for j in prefix] + [values[i][b, t, g] for i in range(1, step + 1)]
+                    weights = torch.softmax(torch.stack(ks) @ q[b, t, h] / math.sqrt(attn.head_dim), dim=0)
+                    out[b, t, h] = weights @ torch.stack(vs)
+        hidden = layer.finish(hidden, out.reshape(batch, length, -1))
+        logits.append(model.logits(hidden))
+    return logits
+
+
+def test_forward_ttt_equals_a_plain_per_step_computation():
+    model = tiny_drafter(seed=1).double()
+    generator = torch.Generator().manual_seed(2)
+    input_ids = torch.randint(0, V, (2, 7), generator=generator)
+    aux = torch.randn(2, 7, N_AUX * H, generator=generator, dtype=torch.float64)
+    doc_ids = torch.tensor([[0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 1, 1, 1, 1]])  # row 1 packs two samples
+    positions = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [0, 1, 2, 0, 1, 2, 3]])
+    with torch.no_grad():
+        ours = model.forward_ttt(input_ids, aux, positions, ttt_length=4, doc_ids=doc_ids)
+        plain = reference_ttt(model, input_ids, aux, doc_ids, positions, 4)
+    assert len(ours) == 4
+    for step, (a, b) in enumerate(zip(ours, plain)):
+        assert a.shape == (2, 7, DRAFT)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=f"step {step}")
+
+
+def test_default_positions_restart_in_each_packed_sample():
+    model = tiny_drafter(seed=3)
+    input_ids = torch.randint(0, V, (1, 6))
+    aux = torch.randn(1, 6, N_AUX * H)
+    doc_ids = torch.tensor([[0, 0, 1, 1, 1, 1]])
+    explicit = model.forward_ttt(input_ids, aux, torch.tensor([[0, 1, 0, 1, 2, 3]]), 2, doc_ids)
+    implicit = model.forward_ttt(input_ids, aux, None, 2, doc_ids)
+    for a, b in zip(explicit, implicit):
+        torch.testing.assert_close(a, b)
+
+
+def hand_teacher():
+    # V = 6 target tokens, draft vocabulary = target ids 1, 3, 4; lm_head = identity, so the
+    # target's logits at row s are last_hidden[s] itself.
+    d2t = torch.tensor([1, 2, 2])
+    t2d = torch.tensor([False, True, False, True, True, False])
+    logits = torch.tensor([
+        [0.0, 2.0, 0.0, 1.0, 0.0, 0.0],  # top-1 id 1 (draft 0)
+        [0.0, 0.0, 0.0, 0.0, 3.0, 0.0],  # top-1 id 4 (draft 2)
+        [5.0, 0.0, 0.0, 1.0, 0.0, 0.0],  # top-1 id 0: not in the draft vocabulary
+        [0.0, 0.0, 0.0, 2.0, 0.0, 0.0],  # top-1 id 3 (draft 1)
+        [0.0, 1.0, 0.0, 0.0, 0.0, 0.0],  # top-1 id 1 (draft 0)
+        [0.0, 0.0, 0.0, 0.0, 1.0, 0.0],  # top-1 id 4 (draft 2)
+    ])[None]
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
+    return teacher_targets(logits, torch.eye(6), t2d, d2t, loss_mask), logits
+
+
+def test_teacher_soft_targets_and_masks_on_a_hand_made_example():
+    teacher, logits = hand_teacher()
+    torch.testing.assert_close(teacher.probs[0], torch.softmax(logits[0][:, [1, 3, 4]], dim=-1))
+    assert teacher.argmax[0][teacher.in_draft[0]].tolist() == [0, 2, 1, 0, 2]
+    assert teacher.in_draft[0].tolist() == [True, True, False, True, True, True]
+    # Step 0, row t: teacher row t+1, predicted token x_{t+2}; masked by m_{t+2} and in_draft(t+1).
+    assert teacher.valid(0)[0].tolist() == [True, True, True, True, False, False]
+    assert teacher.position_mask(0)[0].tolist() == [True, False, True, True, False, False]
+    # Step 1, row t: teacher row t+2, predicted token x_{t+3}.
+    assert teacher.position_mask(1)[0].tolist() == [False, True, True, False, False, False]
+    torch.testing.assert_close(teacher.step_probs(1)[0], teacher.probs[0, 2:])
+    assert teacher.step_argmax(1)[0].tolist()[3:] == [2, -1, -1]
+
+
+def test_teacher_masks_stop_at_a_packed_sample_boundary():
+    teacher, _ = hand_teacher()
+    teacher.doc_ids = torch.tensor([[0, 0, 0, 0, 1, 1]])
+    # Row 2 at step 0 predicts x_4, which belongs to the next sample.
+    assert teacher.valid(0)[0].tolist() == [True, True, False, False, False, False]
+
+
+def one_hot_logits(draft_ids: list[int]) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(draft_ids), 3).float()[None] * 10
+
+
+def test_metrics_and_acceptance_length_on_a_hand_made_example():
+    teacher, _ = hand_teacher()
+    teacher.loss_mask = torch.ones(1, 6, dtype=torch.bool)
+    # valid rows: step 0 -> 0..3, step 1 -> 0..2. Teacher top-1 for step-0 rows 0..3: 2, miss (out of
+    # the draft vocabulary), 1, 0; for step-1 rows 0..2: miss, 1, 0.
+    step0 = one_hot_logits([2, 0, 1, 1, 0, 0])  # right at rows 0, 2
+    step1 = one_hot_logits([0, 1, 0, 0, 0, 0])  # right at rows 1, 2
+    metrics = ttt_metrics([step0, step1], teacher)
+    assert metrics.rows.tolist() == [3, 2]  # in-vocabulary valid rows
+    assert metrics.hits.tolist() == [2, 2]
+    assert metrics.acc == pytest.approx([2 / 3, 1.0])
+    # Chains: step 0 tried at rows 0..3, right at 0 and 2; step 1 tried at rows 0 and 2, right at 2.
+    assert metrics.chain_rows.tolist() == [4, 2]
+    assert metrics.chain_hits.tolist() == [2, 1]
+    assert metrics.cond_acc == pytest.approx([0.5, 0.5])
+    assert metrics.acceptance_length == pytest.approx(0.5 + 0.25)
+
+
+def test_acceptance_length_formula():
+    assert acceptance_length([0.8, 0.5, 0.5]) == pytest.approx(0.8 + 0.4 + 0.2)
+    assert acceptance_length([1.0] * 7) == 7
+    assert acceptance_length([0.0, 1.0]) == 0
+
+
+def test_loss_is_the_decayed_sum_of_masked_soft_cross_entropies():
+    teacher, _ = hand_teacher()
+    generator = torch.Generator().manual_seed(4)
+    step_logits = [torch.randn(1, 6, 3, generator=generator) for _ in range(2)]
+    result = ttt_loss(step_logits, teacher)
+    expected = 0.0
+    for step, logits in enumerate(step_logits):
+        rows = [t for t in range(6) if bool(teacher.position_mask(step)[0, t])]
+        ces = [-(teacher.probs[0, t + 1 + step] * torch.log_softmax(logits[0, t], -1)).sum() for t in rows]
+        expected += 0.8**step * torch.stack(ces).mean()
+    torch.testing.assert_close(result.loss, expected)
+    assert result.step_counts.tolist() == [3, 2]
+    halved = ttt_loss(step_logits, teacher, denominators=torch.tensor([6, 4]))
+    torch.testing.assert_close(halved.loss, expected / 2)
+
+
+def test_loss_decreases_over_adam_steps_on_random_data():
+    model = tiny_drafter(seed=5)
+    generator = torch.Generator().manual_seed(6)
+    input_ids = torch.randint(0, V, (2, 16), generator=generator)
+    aux = torch.randn(2, 16, N_AUX * H, generator=generator)
+    last_hidden = torch.randn(2, 16, H, generator=generator)
+    target_head = torch.randn(V, H, generator=generator)
+    teacher = teacher_targets(last_hidden, target_head, model.t2d, model.d2t, torch.ones(2, 16))
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(50):
+        result = ttt_loss(model.forward_ttt(input_ids, aux, ttt_length=3), teacher)
+        optimizer.zero_grad()
+        result.loss.backward()
+        optimizer.step()
+        losses.append(float(result.loss.detach()))
+    assert losses[-1] < 0.6 * losses[0], losses
+    assert model.embed_tokens.weight.grad is None
