@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from extraction_settings import RUN, settings
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -37,29 +38,7 @@ HIDDEN = 8
 AUX_LAYERS = [0, 2]
 VOCAB = 32
 SHARD = 3
-SETTINGS = {
-    "target_model_path": "/models/target",
-    "target_config_sha256": "c" * 64,
-    "tokenizer_sha256": {"tokenizer.json": "t" * 64},
-    "chat_template_sha256": "h" * 64,
-    "chat_template_file": None,
-    "engine": "reference",
-    "engine_version": "0.1.0",
-    "aux_layers": AUX_LAYERS,
-    "aux_layer_convention": "0-based",
-    "engine_layer_ids": None,
-    "hidden_size": HIDDEN,
-    "num_hidden_layers": 4,
-    "vocab_size": VOCAB,
-    "dtype": "float32",
-    "max_length": 64,
-    "overflow": "truncate",
-    "shard_size": SHARD,
-}
-RUN = {
-    "dataset": {"name": "chats.jsonl", "sha256": "d" * 64, "num_samples_limit": None},
-    "verification": {"positions": "all", "tolerance_logits": 0.05, "checks": ["top1"]},
-}
+SETTINGS = settings(HIDDEN, AUX_LAYERS, VOCAB, SHARD, "float32")
 
 
 def sample_tensors(ordinal: int, tokens: int):

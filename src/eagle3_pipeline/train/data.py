@@ -1,0 +1,300 @@
+"""Reading an extraction's output for training: samples packed into token-budget batches.
+
+Nothing is padded: a batch is the concatenation of whole samples (``[N]`` tokens, N at most
+the budget) with ``doc_ids`` saying which sample each token belongs to and ``position_ids``
+restarting at 0 in each, which is what ``Eagle3Drafter.forward_ttt`` takes (after adding the
+batch dimension: ``t[None]``).
+
+Order is a pure function of (seed, epoch, rank, world, batch budget, sample list): the
+shuffle is seeded by (seed, epoch), the train/eval split by a hash of each sample's id (so it
+never changes with the order of the manifest or the number of extraction hosts), and a run
+resumed from a ``DataState`` continues at exactly the next batch.
+
+Files are read with safetensors only (no pickle, no code loaded), and each file's tensor
+names, shapes and dtypes are checked against the manifest before use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from eagle3_pipeline.extract.store import FORMAT, FORMAT_VERSION, MANIFEST_FILE
+
+# First-fit packing looks at most this many open batches back (keeps packing O(samples)).
+PACK_WINDOW = 64
+
+
+class DataError(ValueError):
+    """The training data cannot be used as asked; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One stored sample: ``index`` is its place in ``TrainData.samples``."""
+
+    index: int
+    file: str
+    id: str
+    tokens: int
+    loss_tokens: int
+
+
+def _split_key(sample_id: str) -> float:
+    """A number in [0, 1) from the sample id alone (the same on every host and Python)."""
+    digest = hashlib.sha256(sample_id.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+@dataclass
+class TrainData:
+    """An extraction output directory opened for training."""
+
+    root: Path
+    manifest: dict
+    samples: list[Sample]
+    n_aux: int
+    hidden_size: int
+    dtype: torch.dtype
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.tokens for s in self.samples)
+
+    def split(self, eval_ratio: float) -> tuple[list[Sample], list[Sample]]:
+        """(train, eval): a sample is held out when the hash of its id falls below ``eval_ratio``.
+
+        Deterministic and independent of the samples' order; each list keeps manifest order.
+        With a small dataset the held-out share is only approximately ``eval_ratio``.
+        """
+        if not 0.0 <= eval_ratio < 1.0:
+            raise DataError(f"eval_ratio {eval_ratio}: expected 0 <= ratio < 1")
+        train, held = [], []
+        for sample in self.samples:
+            (held if _split_key(sample.id) < eval_ratio else train).append(sample)
+        if not train:
+            raise DataError(f"eval_ratio {eval_ratio} leaves no training sample out of {len(self.samples)}")
+        return train, held
+
+
+def open_dataset(data_dir: str | Path) -> TrainData:
+    """Read ``data_config.json`` and the sample list of its shards; refuse unusable data clearly."""
+    root = Path(data_dir)
+    path = root / MANIFEST_FILE
+    if not root.is_dir():
+        raise DataError(f"{root}: no such directory (eagle_training_data_dir must be an extraction output directory)")
+    if not path.is_file():
+        raise DataError(
+            f"{root}: no {MANIFEST_FILE}: the extraction has not completed or been merged there "
+            "(run the extraction to the end, or `eagle3-pipeline extract-merge DIR`)"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: unreadable manifest: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise DataError(f"{path}: not a manifest (a JSON object expected)")
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise DataError(
+            f"{path}: format {manifest.get('format')!r} version {manifest.get('format_version')!r} is not "
+            f"{FORMAT!r} version {FORMAT_VERSION}; re-extract with this version of eagle3-pipeline"
+        )
+    missing = [key for key in ("aux_layers", "hidden_size", "dtype", "shards") if key not in manifest]
+    if missing:
+        raise DataError(f"{path}: the manifest lacks {missing}; it is incomplete or damaged (re-run the merge)")
+    dtype = getattr(torch, str(manifest["dtype"]), None)
+    if not isinstance(dtype, torch.dtype):
+        raise DataError(f"{path}: unknown dtype {manifest['dtype']!r}")
+    # In dataset order (the line of each record), whatever order the JSON keys of the shards have.
+    entries = sorted((entry for shard in manifest["shards"].values() for entry in shard["files"]),
+                     key=lambda entry: (int(entry.get("line", 0)), entry["file"]))
+    samples = [Sample(index, entry["file"], str(entry["id"]), int(entry["tokens"]), int(entry["loss_tokens"]))
+               for index, entry in enumerate(entries)]
+    if not samples:
+        raise DataError(f"{path}: no samples (every record was skipped or failed); nothing to train on")
+    if manifest.get("num_samples", len(samples)) != len(samples):
+        raise DataError(f"{path}: lists {len(samples)} sample files but says num_samples "
+                        f"{manifest['num_samples']}; the manifest is damaged (re-run the merge)")
+    return TrainData(root, manifest, samples, len(manifest["aux_layers"]), int(manifest["hidden_size"]), dtype)
+
+
+# -- order ---------------------------------------------------------------------------------
+def _epoch_rng(seed: int, epoch: int) -> random.Random:
+    digest = hashlib.sha256(f"eagle3-pack/{seed}/{epoch}".encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "big"))
+
+
+def pack(samples: list[Sample], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
+    """Batches (lists of ``Sample.index``) of at most ``batch_tokens`` tokens, each sample once.
+
+    The samples are shuffled by (seed, epoch), then placed greedily: each into the first of the
+    last ``PACK_WINDOW`` open batches where it fits, else into a new batch. A sample longer than
+    ``batch_tokens`` gets a batch of its own and is TRUNCATED to its first ``batch_tokens``
+    tokens when loaded (``load_batch(..., max_tokens=batch_tokens)``, as ``batches`` does).
+    """
+    if batch_tokens < 1:
+        raise DataError(f"batch_tokens {batch_tokens}: must be at least 1")
+    order = list(samples)
+    _epoch_rng(seed, epoch).shuffle(order)
+    batches: list[list[int]] = []
+    room: list[int] = []
+    for sample in order:
+        size = min(sample.tokens, batch_tokens)
+        first = max(0, len(batches) - PACK_WINDOW)
+        for slot in range(first, len(batches)):
+            if room[slot] >= size:
+                batches[slot].append(sample.index)
+                room[slot] -= size
+                break
+        else:
+            batches.append([sample.index])
+            room.append(batch_tokens - size)
+    return batches
+
+
+def shard(batches: list[list[int]], rank: int, world: int) -> list[list[int]]:
+    """This rank's batches: ``batches[rank::world]``, cut so every rank gets the same number.
+
+    The last ``len(batches) % world`` batches of the epoch are DROPPED (a different set each
+    epoch, since the shuffle changes), so that no rank waits on a step the others never take.
+    """
+    if not 0 <= rank < world:
+        raise DataError(f"rank {rank} of world {world}: need 0 <= rank < world")
+    per_rank = len(batches) // world
+    return batches[rank: per_rank * world: world]
+
+
+# -- loading -------------------------------------------------------------------------------
+@dataclass
+class PackedBatch:
+    """Samples concatenated along one token axis (no padding)."""
+
+    input_ids: torch.Tensor  # [N] int64
+    loss_mask: torch.Tensor  # [N] bool
+    aux_hidden: torch.Tensor  # [N, n_aux*H], the stored dtype
+    last_hidden: torch.Tensor  # [N, H], the stored dtype
+    doc_ids: torch.Tensor  # [N] int64, 0..k-1 per sample
+    position_ids: torch.Tensor  # [N] int64, from 0 in each sample
+    sample_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
+        move = {name: getattr(self, name).to(device, non_blocking=non_blocking)
+                for name in ("input_ids", "loss_mask", "aux_hidden", "last_hidden", "doc_ids", "position_ids")}
+        return PackedBatch(**move, sample_ids=list(self.sample_ids))
+
+
+def _read_sample(data: TrainData, sample: Sample) -> dict[str, torch.Tensor]:
+    path = data.root / sample.file
+    t, h = sample.tokens, data.hidden_size
+    want = {"input_ids": ((t,), None), "loss_mask": ((t,), None),
+            "aux_hidden_states": ((t, data.n_aux * h), data.dtype), "last_hidden_states": ((t, h), data.dtype)}
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            names = set(handle.keys())
+            absent = sorted(set(want) - names)
+            if absent:
+                raise DataError(f"{path}: lacks tensors {absent}; the file is not an extracted sample")
+            tensors = {name: handle.get_tensor(name) for name in want}
+    except FileNotFoundError:
+        raise DataError(f"{path}: missing (listed in {MANIFEST_FILE}); run `eagle3-pipeline verify`") from None
+    except (SafetensorError, OSError) as exc:
+        raise DataError(f"{path}: unreadable: {exc}; run `eagle3-pipeline verify`") from None
+    for name, (shape, dtype) in want.items():
+        got = tensors[name]
+        if tuple(got.shape) != shape:
+            raise DataError(f"{path}: {name} is {tuple(got.shape)}, the manifest says {shape}")
+        if dtype is not None and got.dtype != dtype:
+            raise DataError(f"{path}: {name} is {got.dtype}, the manifest says {dtype}")
+    return tensors
+
+
+def load_batch(data: TrainData, indices: list[int], max_tokens: int | None = None) -> PackedBatch:
+    """Read the samples ``data.samples[i]`` and concatenate them; ``max_tokens`` cuts the tail."""
+    if not indices:
+        raise DataError("load_batch: no samples given")
+    parts: dict[str, list[torch.Tensor]] = {"input_ids": [], "loss_mask": [], "aux_hidden_states": [],
+                                            "last_hidden_states": [], "doc_ids": [], "position_ids": []}
+    left = max_tokens if max_tokens is not None else sum(data.samples[i].tokens for i in indices)
+    ids = []
+    for doc, index in enumerate(indices):
+        if left <= 0:
+            break
+        sample = data.samples[index]
+        tensors = _read_sample(data, sample)
+        keep = min(sample.tokens, left)
+        left -= keep
+        for name, tensor in tensors.items():
+            parts[name].append(tensor[:keep])
+        parts["doc_ids"].append(torch.full((keep,), doc, dtype=torch.int64))
+        parts["position_ids"].append(torch.arange(keep, dtype=torch.int64))
+        ids.append(sample.id)
+    return PackedBatch(
+        input_ids=torch.cat(parts["input_ids"]).long(),
+        loss_mask=torch.cat(parts["loss_mask"]).bool(),
+        aux_hidden=torch.cat(parts["aux_hidden_states"]),
+        last_hidden=torch.cat(parts["last_hidden_states"]),
+        doc_ids=torch.cat(parts["doc_ids"]),
+        position_ids=torch.cat(parts["position_ids"]),
+        sample_ids=ids,
+    )
+
+
+# -- the resumable stream ------------------------------------------------------------------
+@dataclass(frozen=True)
+class DataState:
+    """Where the stream stands: the next batch to yield is batch ``batch`` of epoch ``epoch``."""
+
+    epoch: int = 0
+    batch: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, value: dict) -> DataState:
+        try:
+            epoch, batch = int(value["epoch"]), int(value["batch"])
+        except (KeyError, TypeError, ValueError):
+            raise DataError(f"data state {value!r}: expected {{'epoch': int, 'batch': int}}") from None
+        if epoch < 0 or batch < 0:
+            raise DataError(f"data state {value!r}: negative position")
+        return cls(epoch, batch)
+
+
+def batches(data: TrainData, batch_tokens: int, seed: int, rank: int, world: int, state: DataState | None = None,
+            *, samples: list[Sample] | None = None, epochs: int | None = None
+            ) -> Iterator[tuple[DataState, PackedBatch]]:
+    """Yield (state after this batch, batch) for this rank, from ``state`` on.
+
+    ``samples`` defaults to all of ``data.samples`` (pass the train half of ``split``);
+    ``epochs`` None runs forever. Saving the yielded state with a checkpoint taken after the
+    step on that batch and passing it back continues at exactly the next batch, provided the
+    seed, budget, world size and sample list are unchanged. The state after the last batch of
+    an epoch is (epoch + 1, 0).
+    """
+    pool = data.samples if samples is None else samples
+    state = state or DataState()
+    epoch, position = state.epoch, state.batch
+    while epochs is None or epoch < epochs:
+        mine = shard(pack(pool, batch_tokens, seed, epoch), rank, world)
+        if not mine:
+            raise DataError(f"{len(pool)} samples make fewer than {world} batches of {batch_tokens} tokens: "
+                            "nothing for every rank; lower the budget or the number of processes")
+        if position > len(mine):
+            raise DataError(f"data state batch {position} of epoch {epoch}: this rank has only {len(mine)} batches "
+                            "per epoch; resume with the seed, batch budget, world size and data of the saved run")
+        for index in range(position, len(mine)):
+            after = DataState(epoch, index + 1) if index + 1 < len(mine) else DataState(epoch + 1, 0)
+            yield after, load_batch(data, mine[index], max_tokens=batch_tokens)
+        epoch, position = epoch + 1, 0
