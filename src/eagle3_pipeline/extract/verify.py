@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 # Twice the relative rounding step of the dtypes an engine may compute logits in.
 _ROUNDING = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
@@ -149,24 +148,20 @@ def load_lm_head(model_path: str | Path, device: str = "cpu") -> torch.Tensor:
 
     float32 on the CPU (exact), the stored dtype on a GPU (bf16 tensor cores).
     """
+    from eagle3_pipeline.models.weights import read_tensor, weight_map  # noqa: PLC0415
+
     model_path = Path(model_path)
     config = _model_config(model_path)
-    index_file = model_path / "model.safetensors.index.json"
-    if index_file.is_file():
-        weight_map = json.loads(index_file.read_text())["weight_map"]
-    else:
-        single = model_path / "model.safetensors"
-        if not single.is_file():
-            raise FileNotFoundError(f"{model_path}: no model.safetensors(.index.json): cannot read lm_head to verify")
-        with safe_open(str(single), framework="pt") as handle:
-            weight_map = {name: "model.safetensors" for name in handle.keys()}  # noqa: SIM118 - not a dict
-    names = [name for name in weight_map if name.endswith("lm_head.weight")]
-    if not names and config.get("tie_word_embeddings", False):
-        names = [name for name in weight_map if name.endswith("embed_tokens.weight")]
-    if len(names) != 1:
-        raise ValueError(f"{model_path}: expected one lm_head weight among the tensors, found {names or 'none'}")
-    with safe_open(str(model_path / weight_map[names[0]]), framework="pt") as handle:
-        weight = handle.get_tensor(names[0])
+    try:
+        names = weight_map(model_path)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"{exc}: cannot read lm_head to verify") from None
+    found = [name for name in names if name.endswith("lm_head.weight")]
+    if not found and config.get("tie_word_embeddings", False):
+        found = [name for name in names if name.endswith("embed_tokens.weight")]
+    if len(found) != 1:
+        raise ValueError(f"{model_path}: expected one lm_head weight among the tensors, found {found or 'none'}")
+    weight = read_tensor(model_path, names, found[0])
     if device == "cpu":
         return weight.float()
     return weight.to(device)

@@ -1,0 +1,173 @@
+"""The training loop on the CPU: a tiny random Llama target, its real hidden states stored with the
+extraction's store, loss going down, exact resume, pickle-free checkpoints, export round trip."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from extraction_settings import RUN, settings
+
+from eagle3_pipeline.extract import store
+from eagle3_pipeline.train import export as ex
+from eagle3_pipeline.train import trainer as tr
+from eagle3_pipeline.train.data import DataError
+from eagle3_pipeline.train.model import DrafterConfig, Eagle3Drafter
+from eagle3_pipeline.train.vocab import VocabError
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, HIDDEN, LAYERS, AUX = 64, 32, 4, [0, 1, 2]
+NUM_SAMPLES = 14
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64,
+                                      num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=256, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # a sharp teacher (a random head is near uniform): something to learn
+        model.lm_head.weight.mul_(40.0)
+    path = tmp_path_factory.mktemp("target")
+    model.save_pretrained(path, safe_serialization=True)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory, target_dir):
+    path, model = target_dir
+    out = tmp_path_factory.mktemp("extracted")
+    store.claim_settings(out, {**settings(HIDDEN, AUX, VOCAB, 4, "float32"), "target_model_path": str(path),
+                               "num_hidden_layers": LAYERS})
+    samples = []
+    gen = torch.Generator().manual_seed(1)
+    for ordinal in range(NUM_SAMPLES):
+        tokens = 12 + (ordinal * 5) % 20
+        # A repetitive pattern the drafter can learn, plus noise.
+        ids = ((torch.arange(tokens) * (1 + ordinal % 3) + torch.randint(0, 3, (tokens,), generator=gen)) % VOCAB)
+        mask = torch.ones(tokens, dtype=torch.uint8)
+        mask[:3] = 0
+        with torch.no_grad():
+            hidden = model(ids[None], output_hidden_states=True).hidden_states
+        aux = torch.cat([hidden[layer + 1][0] for layer in AUX], dim=-1).float()
+        last = hidden[-1][0].float()
+        file = f"{store.shard_dir_name(ordinal, 4)}/s-{ordinal}{store.SAMPLE_SUFFIX}"
+        size, sha = store.write_sample(out / file, ids.to(torch.int32), mask, aux, last,
+                                       {"format": store.FORMAT, "id": f"s-{ordinal}"})
+        samples.append({"key": f"k-{ordinal}", "status": "ok", "ordinal": ordinal, "line": ordinal + 1,
+                        "id": f"s-{ordinal}", "file": file, "tokens": tokens, "loss_tokens": int(mask.sum()),
+                        "bytes": size, "sha256": sha})
+    store.write_part_manifest(out, 0, 1, samples, [], [], NUM_SAMPLES, RUN)
+    store.merge(out)
+    return out
+
+
+def config(data_dir, out, **overrides):
+    base = {"data_dir": str(data_dir), "output_dir": str(out), "draft_vocab_size": 48, "ttt_length": 3,
+            "epochs": 6, "lr": 3e-3, "warmup_steps": 2, "batch_tokens": 64, "eval_ratio": 0.2, "seed": 0,
+            "checkpoint_every": 4}
+    return tr.TrainConfig(**{**base, **overrides})
+
+
+def train_losses(out):
+    lines = [json.loads(line) for line in (out / tr.METRICS_FILE).read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in lines if r["kind"] == "train"]
+
+
+def test_loss_decreases_and_metrics_are_logged(data_dir, tmp_path):
+    result = tr.train(config(data_dir, tmp_path, max_steps=30))
+    losses = [loss for _, loss in train_losses(tmp_path)]
+    assert result["steps"] == len(losses) == 30
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    records = [json.loads(line) for line in (tmp_path / tr.METRICS_FILE).read_text().splitlines()]
+    first = records[0]
+    for key in ("step", "epoch", "loss", "loss_k", "acc_k", "cond_acc_k", "acceptance_length", "tokens",
+                "tokens_per_s", "lr"):
+        assert key in first
+    assert len(first["loss_k"]) == len(first["acc_k"]) == 3
+    assert any(r["kind"] == "eval" for r in records)
+    assert sorted(p.name for p in tmp_path.joinpath("checkpoints").iterdir()) == ["step-28", "step-30"]
+
+
+def test_resume_gives_exactly_the_uninterrupted_losses(data_dir, tmp_path):
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    tr.train(config(data_dir, whole, max_steps=11))
+    tr.train(config(data_dir, parts, max_steps=5))
+    # A kill -9 after the last checkpoint: lines past it are logged, then a newer partial checkpoint dir.
+    with open(parts / tr.METRICS_FILE, "a") as handle:
+        handle.write(json.dumps({"kind": "train", "step": 6, "loss": 123.0}) + "\n{\"kind\": \"tr")
+    partial = parts / "checkpoints" / "step-9"
+    shutil.copytree(parts / "checkpoints" / "step-5", partial)
+    data = (partial / tr.MODEL_FILE).read_bytes()
+    (partial / tr.MODEL_FILE).write_bytes(data[: len(data) // 2])
+    result = tr.train(config(data_dir, parts, max_steps=11))
+    assert result["resumed_from"].endswith("step-5")
+    assert train_losses(parts) == train_losses(whole)
+    assert [s for s, _ in train_losses(parts)] == list(range(1, 12))
+
+
+def test_checkpoints_hold_no_pickle(data_dir, tmp_path):
+    tr.train(config(data_dir, tmp_path, max_steps=4))
+    ckpt = tmp_path / "checkpoints" / "step-4"
+    names = sorted(p.name for p in ckpt.iterdir())
+    assert names == sorted([tr.MODEL_FILE, tr.OPTIMIZER_FILE, tr.RNG_FILE, tr.STATE_FILE])
+    for path in ckpt.iterdir():
+        head = path.read_bytes()[:2]
+        assert head != b"\x80\x02" and not head.startswith(b"PK")  # neither a pickle nor a torch.save zip
+    state = json.loads((ckpt / tr.STATE_FILE).read_text())
+    assert state["step"] == 4 and state["data"]["batch"] >= 0
+
+
+def test_export_loads_back_and_gives_the_same_logits(data_dir, tmp_path):
+    tr.train(config(data_dir, tmp_path, max_steps=3))
+    state, cfg = ex.load_export(tmp_path / "drafter")
+    assert "embed_tokens.weight" not in state
+    ckpt = tr.load_checkpoint(tmp_path / "checkpoints" / "step-3")[1]
+    drafter_cfg = DrafterConfig(**{k: cfg[k] if k in cfg else v for k, v in _cfg_defaults(cfg).items()})
+    exported, trained = Eagle3Drafter(drafter_cfg, state["d2t"], state["t2d"]), \
+        Eagle3Drafter(drafter_cfg, ckpt["d2t"], ckpt["t2d"])
+    embed = torch.randn(VOCAB, HIDDEN)
+    for model, weights in ((exported, state), (trained, ckpt)):
+        model.load_state_dict(weights, strict=False)
+        model.load_target_embeddings(embed)
+    ids, aux = torch.randint(0, VOCAB, (1, 10)), torch.randn(1, 10, 3 * HIDDEN)
+    with torch.no_grad():
+        for a, b in zip(exported.forward_ttt(ids, aux, ttt_length=3), trained.forward_ttt(ids, aux, ttt_length=3)):
+            assert torch.equal(a, b)
+
+
+def _cfg_defaults(cfg):
+    return {"hidden_size": cfg["hidden_size"], "num_attention_heads": cfg["num_attention_heads"],
+            "num_key_value_heads": cfg["num_key_value_heads"], "head_dim": cfg["head_dim"],
+            "intermediate_size": cfg["intermediate_size"], "target_hidden_size": cfg["target_hidden_size"],
+            "num_aux_hidden_states": 3, "vocab_size": cfg["vocab_size"],
+            "draft_vocab_size": cfg["draft_vocab_size"], "rms_norm_eps": cfg["rms_norm_eps"],
+            "rope_theta": cfg["rope_theta"], "rope_scaling": cfg["rope_scaling"],
+            "max_position_embeddings": cfg["max_position_embeddings"]}
+
+
+def test_bad_inputs_fail_clearly(data_dir, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataError, match="data_config.json"):
+        tr.train(config(empty, tmp_path / "a"))
+    with pytest.raises(VocabError, match="larger than the target's vocabulary"):
+        tr.train(config(data_dir, tmp_path / "b", draft_vocab_size=VOCAB + 1))
+    with pytest.raises(tr.TrainConfigError, match="eval_ratio"):
+        config(data_dir, tmp_path, eval_ratio=1.5)
+    with pytest.raises(tr.TrainConfigError, match="lr"):
+        config(data_dir, tmp_path, lr=0)
+    with pytest.raises(tr.TrainConfigError, match="ttt_length"):
+        config(data_dir, tmp_path, ttt_length=0)
