@@ -39,6 +39,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle3_pipeline.models.config import read_text_config
+
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_UNREACHABLE, EXIT_STOPPED = 0, 1, 2, 3, 4
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 RID_PREFIX = "e3x"
@@ -120,11 +122,6 @@ def _sha256_file(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
-def _model_config(model_path: Path) -> dict:
-    config = json.loads((model_path / "config.json").read_text())
-    return config.get("text_config", config) if "hidden_size" not in config else config
-
-
 def _dtype_name(server_dtype: str | None, config: dict) -> str:
     if server_dtype in DTYPE_BYTES:
         return server_dtype
@@ -134,7 +131,7 @@ def _dtype_name(server_dtype: str | None, config: dict) -> str:
 
 def data_settings(facts, model_path: Path, renderer, cfg: ExtractConfig) -> dict:
     """The settings that shape the stored data (all parts and reruns must share them)."""
-    config = _model_config(model_path)
+    config = read_text_config(model_path)
     tokenizer_files = {name: _sha256_file(model_path / name) for name in ("tokenizer.json", "tokenizer_config.json",
                                                                             "tokenizer.model")}
     return {
@@ -572,8 +569,9 @@ def run_extraction(cfg: ExtractConfig) -> int:  # noqa: PLR0911 - one exit per o
         _remove_leftovers(cfg, plan)
         device = cfg.verify_device
         lm_head = load_lm_head(plan.settings["target_model_path"], device)
-        _log(cfg, f"top-1 check: lm_head on {device}; all positions of every {cfg.verify_full_every}-th record, "
-                  f"the last {cfg.verify_positions} of the others" if cfg.verify_positions else
+        _log(cfg, f"top-1 check: lm_head on {device}; the last {cfg.verify_positions} positions of each sample"
+                  + (f", all positions of every {cfg.verify_full_every}-th record" if cfg.verify_full_every else "")
+                  if cfg.verify_positions else
                   f"top-1 check: lm_head on {device}; every position of every sample")
         worker = SampleWorker(cfg, plan, client, lm_head)
         progress.restart_clock()  # tokens/s from the first request, not from loading lm_head

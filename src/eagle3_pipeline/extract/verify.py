@@ -20,11 +20,12 @@ held to four facts, each cheap to test:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from eagle3_pipeline.models.config import read_text_config
 
 # Twice the relative rounding step of the dtypes an engine may compute logits in.
 _ROUNDING = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
@@ -138,11 +139,6 @@ def check_top1(
     return Agreement(len(expected), int(exact.sum()), int((~exact).sum()))
 
 
-def _model_config(model_path: Path) -> dict:
-    config = json.loads((model_path / "config.json").read_text())
-    return config.get("text_config", config) if "hidden_size" not in config else config
-
-
 def load_lm_head(model_path: str | Path, device: str = "cpu") -> torch.Tensor:
     """The target's output embedding [V, H], read alone from its safetensors (tied: the input one).
 
@@ -151,7 +147,7 @@ def load_lm_head(model_path: str | Path, device: str = "cpu") -> torch.Tensor:
     from eagle3_pipeline.models.weights import read_tensor, weight_map  # noqa: PLC0415
 
     model_path = Path(model_path)
-    config = _model_config(model_path)
+    config = read_text_config(model_path)
     try:
         names = weight_map(model_path)
     except FileNotFoundError as exc:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from eagle3_pipeline.atomic import atomic_write_text
 from eagle3_pipeline.capture.layers import check_aux_layers, default_aux_layers
+from eagle3_pipeline.models.config import text_config
 
 ENGINES = ("sglang", "reference")
 # A probe prompt of 32 token ids that exist in any vocabulary larger than 64.
@@ -40,11 +41,6 @@ def read_model_config(model_path: str) -> dict:
         ) from None
     except json.JSONDecodeError as exc:
         raise PlanError(f"sglang_server_model_path: {path} is not valid JSON: {exc}") from exc
-
-
-def _text_config(config: dict) -> dict:
-    """Multimodal configs (e.g. Kimi-K2.5) keep the language model's fields in text_config."""
-    return config.get("text_config") or config
 
 
 def reference_argv(python: str, model_path: str, host: str, port: int, aux_layers: list[int], capture_dir: str,
@@ -80,7 +76,7 @@ def server_plan(engine: str, python: str, model_path: str, host: str, port: int,
         raise PlanError(f"sglang_server_port: {port} is not a TCP port")
     extra_args = [str(a) for a in (extra_args or [])]
     config = read_model_config(model_path)
-    text = _text_config(config)
+    text = text_config(config)
     num_layers, hidden = int(text["num_hidden_layers"]), int(text["hidden_size"])
     try:
         aux = check_aux_layers(list(aux_layers), num_layers) if aux_layers else default_aux_layers(num_layers)
