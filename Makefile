@@ -24,14 +24,17 @@ venv-sglang: venv
 	tests/sglang/make_venv.sh
 
 # The main job on the embedded default: free the GPUs, start the capture server (reference
-# engine, tiny model, CPU), extract the demo conversations, stop the server (also on failure).
+# engine, tiny model, CPU), extract the demo conversations, stop the server (also on failure),
+# free the GPUs again and train the drafter on the extracted states.
 DEMO_PLAY := $(BIN)/ansible-playbook -i inventory/local.yml
 demo: venv
 	$(DEMO_PLAY) playbooks/gpu_reset.yml -e gpu_reset_report_dir=$(CURDIR)/output/demo/gpu_reset
 	$(DEMO_PLAY) playbooks/sglang_server.yml
 	$(DEMO_PLAY) playbooks/extract.yml || { $(DEMO_PLAY) playbooks/sglang_server.yml -e sglang_server_state=stopped; exit 1; }
 	$(DEMO_PLAY) playbooks/sglang_server.yml -e sglang_server_state=stopped
+	$(DEMO_PLAY) playbooks/train.yml
 	@echo "GPU report: output/demo/gpu_reset/localhost.json; dataset: output/demo/data (data_config.json)"
+	@echo "drafter: output/demo/drafter-run/drafter (charts/, metrics.jsonl, training.json beside it)"
 
 lint: venv
 	$(BIN)/ruff check .

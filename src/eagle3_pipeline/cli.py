@@ -81,6 +81,8 @@ MODULE_COMMANDS = {
                       "merge"),
     "verify": ("eagle3_pipeline.extract.commands", "re-check an extracted dataset against its manifest", "verify"),
     "progress": ("eagle3_pipeline.extract.commands", "show an extraction's progress", "progress"),
+    "train": ("eagle3_pipeline.train.command", "train the EAGLE-3 drafter on extracted hidden states"),
+    "train-charts": ("eagle3_pipeline.train.charts", "draw a training run's charts from its metrics.jsonl"),
     "tiny-model": ("eagle3_pipeline.models.tiny", "build the embedded tiny target model (cached)"),
     "demo-dataset": ("eagle3_pipeline.data.demo_dataset", "write the demo conversations (ShareGPT JSONL)"),
     "serve-reference": ("eagle3_pipeline.engine.reference_server", "run the reference engine's HTTP server"),

@@ -15,11 +15,15 @@ from eagle3_pipeline.train.model import (
     DrafterConfigError,
     Eagle3Drafter,
     acceptance_length,
+    fused_ttt_loss,
+    packed_layout,
     rope_inv_freq,
     teacher_targets,
+    ttt_attention,
     ttt_attention_mask,
     ttt_loss,
     ttt_metrics,
+    ttt_metrics_from_argmax,
 )
 from eagle3_pipeline.train.vocab import build_draft_vocab
 
@@ -334,3 +338,80 @@ def test_loss_decreases_over_adam_steps_on_random_data():
         losses.append(float(result.loss.detach()))
     assert losses[-1] < 0.6 * losses[0], losses
     assert model.embed_tokens.weight.grad is None
+
+
+def packed_example(seed: int = 2):
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, V, (2, 9), generator=generator)
+    aux = torch.randn(2, 9, N_AUX * H, generator=generator, dtype=torch.float64)
+    doc_ids = torch.tensor([[0] * 9, [0, 0, 0, 1, 1, 1, 1, 2, 2]])  # row 1 packs three samples
+    last_hidden = torch.randn(2, 9, H, generator=generator, dtype=torch.float64)
+    target_head = torch.randn(V, H, generator=generator, dtype=torch.float64)
+    return input_ids, aux, doc_ids, last_hidden, target_head
+
+
+def test_fused_forward_equals_the_masked_sdpa_reference_with_packed_samples():
+    model = tiny_drafter(seed=1).double()
+    input_ids, aux, doc_ids, _, _ = packed_example()
+    with torch.no_grad():
+        reference = model.forward_ttt(input_ids, aux, None, 4, doc_ids)
+        fused = model.forward_ttt(input_ids, aux, None, 4, doc_ids, attention="fused", mlp_recompute_steps=2)
+    for step, (a, b) in enumerate(zip(reference, fused)):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-12, msg=f"step {step}")
+
+
+def test_fused_loss_and_gradients_equal_the_reference():
+    model = tiny_drafter(seed=1).double()
+    input_ids, aux, doc_ids, last_hidden, target_head = packed_example()
+    teacher = teacher_targets(last_hidden, target_head, model.t2d, model.d2t, torch.ones(2, 9), doc_ids)
+    params = [p for p in model.parameters() if p.requires_grad]
+    reference = ttt_loss(model.forward_ttt(input_ids, aux, None, 4, doc_ids), teacher)
+    expected = torch.autograd.grad(reference.loss, params)
+    hidden = model.forward_ttt(input_ids, aux, None, 4, doc_ids, attention="fused", mlp_recompute_steps=2, head=False)
+    fused, top = fused_ttt_loss(hidden, model.lm_head.weight, teacher, chunk_rows=5)  # chunks cross step rows
+    got = torch.autograd.grad(fused.loss, params)
+    # The reference loss is float32 (ttt_loss upcasts to float32); the fused one keeps float64.
+    torch.testing.assert_close(fused.loss.float(), reference.loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(fused.step_losses.float(), reference.step_losses, rtol=1e-6, atol=0)
+    assert fused.step_counts.tolist() == reference.step_counts.tolist()
+    for (name, _), a, b in zip([(n, p) for n, p in model.named_parameters() if p.requires_grad], got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    with torch.no_grad():
+        logits = model.forward_ttt(input_ids, aux, None, 4, doc_ids)
+    ours, theirs = ttt_metrics_from_argmax(top, teacher), ttt_metrics(logits, teacher)
+    for name in ("hits", "rows", "chain_hits", "chain_rows"):
+        assert getattr(ours, name).tolist() == getattr(theirs, name).tolist(), name
+
+
+def test_ttt_attention_gradients_match_the_masked_reference():
+    torch.manual_seed(7)
+    rows, heads, kv, dim = 11, 4, 2, 8
+    doc_ids = torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1]])
+    q = torch.randn(rows, heads, dim, dtype=torch.float64, requires_grad=True)
+    keys = [torch.randn(rows, kv, dim, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    values = [torch.randn(rows, kv, dim, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    grad = torch.randn(rows, heads, dim, dtype=torch.float64)
+    fused = ttt_attention(q, keys, values, packed_layout(doc_ids), dim**-0.5)
+    mask = ttt_attention_mask(doc_ids, 3)[0, 0]  # [T, 3T]
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), torch.cat(keys).transpose(0, 1).repeat_interleave(2, 0),
+        torch.cat(values).transpose(0, 1).repeat_interleave(2, 0), attn_mask=mask).transpose(0, 1)
+    torch.testing.assert_close(fused, reference, rtol=0, atol=1e-12)
+    inputs = [q, *keys, *values]
+    for a, b in zip(torch.autograd.grad(fused, inputs, grad), torch.autograd.grad(reference, inputs, grad)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_the_teacher_keeps_draft_logits_in_the_matmul_dtype():
+    model = tiny_drafter(seed=3)
+    _, _, doc_ids, last_hidden, target_head = packed_example()
+    exact = teacher_targets(last_hidden.float(), target_head.float(), model.t2d, model.d2t, torch.ones(2, 9))
+    chunked = teacher_targets(last_hidden.float(), target_head.float(), model.t2d, model.d2t, torch.ones(2, 9),
+                              chunk_rows=4)
+    assert exact.logits.dtype == torch.float32
+    torch.testing.assert_close(chunked.logits, exact.logits, rtol=0, atol=0)
+    full = last_hidden.float() @ target_head.float().t()
+    draft_ids = (model.d2t + torch.arange(DRAFT)).tolist()
+    torch.testing.assert_close(exact.probs, torch.softmax(full[..., draft_ids], -1))
+    half = teacher_targets(last_hidden.bfloat16(), target_head.bfloat16(), model.t2d, model.d2t, torch.ones(2, 9))
+    assert half.logits.dtype == torch.bfloat16 and half.probs.dtype == torch.float32

@@ -73,6 +73,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -81,9 +82,11 @@ from torch import nn
 from eagle3_pipeline.train.vocab import check_mapping, resolve_draft_vocab_size
 
 DEFAULT_TTT_LENGTH = 7
+TEACHER_CHUNK_BYTES = 128 << 20
 STEP_DECAY = 0.8
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_ACTIVATIONS = {"silu": F.silu}
+ATTENTION_IMPLS = ("sdpa", "fused")
 
 
 class DrafterConfigError(ValueError):
@@ -255,9 +258,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise the last dimension of x."""
-        wide = x.to(torch.promote_types(x.dtype, torch.float32))
-        wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.to(wide.dtype) * wide).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x's last dimension in float32 (or wider), scaled by ``weight``, returned in x's dtype."""
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.to(wide.dtype) * wide).to(x.dtype)
 
 
 class Eagle3Attention(nn.Module):
@@ -360,6 +368,292 @@ def ttt_attention_mask(doc_ids: torch.Tensor, steps: int) -> torch.Tensor:
     return torch.cat(blocks, dim=-1)[:, None]
 
 
+# ---------------------------------------------------------------------------------------------
+# The fused TTT path (``attention="fused"``): the same function as the masked-SDPA path, computed
+# on flattened rows [N = B*T, ...] without the [T, K*T] mask, with the weights cast once per
+# forward to the compute dtype and the activations each step keeps for the backward cut down.
+
+
+@dataclass
+class PackedLayout:
+    """Where the packed samples of a batch start, over its flattened rows (b * T + t)."""
+
+    cu_seqlens: torch.Tensor  # [S + 1] int32 on the rows' device: first row of each sample, then N
+    max_seqlen: int  # rows of the longest sample
+    segment: torch.Tensor  # [N] int64: which sample each row belongs to (0..S-1)
+
+
+def packed_layout(doc_ids: torch.Tensor) -> PackedLayout:
+    """The layout of ``doc_ids`` [B, T]: a sample ends where the doc id changes or the batch row ends.
+
+    One host synchronisation (the number of samples decides the shape of ``cu_seqlens``).
+    """
+    batch, length = doc_ids.shape
+    flat = doc_ids.reshape(-1)
+    starts = torch.ones_like(flat, dtype=torch.bool)
+    starts[1:] = flat[1:] != flat[:-1]
+    starts[::length] = True
+    first = starts.nonzero().flatten().cpu()
+    bounds = torch.cat([first, torch.tensor([flat.numel()])])
+    return PackedLayout(
+        cu_seqlens=bounds.to(torch.int32).to(doc_ids.device, non_blocking=True),
+        max_seqlen=int((bounds[1:] - bounds[:-1]).max()),
+        segment=starts.long().cumsum(0) - 1,
+    )
+
+
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """x in float32, or kept as is when wider (float64 in the tests)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _use_flash(q: torch.Tensor) -> bool:
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+
+
+def _prefix_forward(q, k, v, layout: PackedLayout, scale: float):
+    """Attention of each row over the step-0 keys of its sample's rows j <= t: (out [N, heads, hd], lse [N, heads]
+    float32, kernel state for the backward). Flash attention (varlen, causal) on CUDA, dense math elsewhere."""
+    if _use_flash(q):
+        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, layout.cu_seqlens, layout.cu_seqlens, layout.max_seqlen, layout.max_seqlen, 0.0, True, False,
+            scale=scale)
+        return out, lse.t(), (rng, unused)  # the varlen kernel's lse is [heads, N]
+    group = q.shape[1] // k.shape[1]
+    scores = torch.einsum("nhd,mhd->hnm", q, k.repeat_interleave(group, dim=1)) * scale  # [heads, N, N]
+    scores = scores.masked_fill(~_prefix_allowed(layout, q.device), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [heads, N]
+    out = torch.einsum("hnm,mhd->nhd", torch.exp(scores - lse[..., None]), v.repeat_interleave(group, dim=1))
+    return out, wide(lse.t()), None
+
+
+def _prefix_allowed(layout: PackedLayout, device: torch.device) -> torch.Tensor:
+    rows = layout.segment.numel()
+    causal = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()
+    return causal & (layout.segment[:, None] == layout.segment[None, :])
+
+
+def _prefix_backward(dout, q, k, v, out, lse, layout: PackedLayout, scale: float, state):
+    """dq, dk, dv of the prefix block, given the *merged* out and lse of all the row's keys: with those, the
+    kernel's probabilities are the merged softmax's and D = rowsum(dout * out) is the merged one, so these are
+    exactly the prefix keys' share of the merged attention's gradient."""
+    if state is not None:
+        rng, unused = state
+        return torch.ops.aten._flash_attention_backward(
+            dout, q, k, v, out, lse.t().contiguous(), layout.cu_seqlens, layout.cu_seqlens, layout.max_seqlen,
+            layout.max_seqlen, 0.0, True, rng, unused, scale=scale)
+    kv_heads, group = k.shape[1], q.shape[1] // k.shape[1]
+    wide_k, wide_v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,mhd->hnm", q, wide_k) * scale
+    scores = scores.masked_fill(~_prefix_allowed(layout, q.device), float("-inf"))
+    probs = torch.exp(scores - lse.t().to(scores.dtype)[..., None])  # [heads, N, N]
+    rowsum = (dout * out).sum(-1).t()  # [heads, N]
+    dscores = probs * (torch.einsum("nhd,mhd->hnm", dout, wide_v) - rowsum[..., None])
+    dq = torch.einsum("hnm,mhd->nhd", dscores, wide_k) * scale
+    dk = torch.einsum("hnm,nhd->mhd", dscores, q) * scale
+    dv = torch.einsum("hnm,nhd->mhd", probs, dout)
+    rows = q.shape[0]
+    return (dq, dk.view(rows, kv_heads, group, -1).sum(2), dv.view(rows, kv_heads, group, -1).sum(2))
+
+
+def diagonal_merge(q, out, lse, keys, values, scale: float):
+    """Merge the prefix attention (out [N, heads, hd], lse [N, heads]) with each row's own keys and values of
+    steps 1..k (keys, values [N, kv, k, hd]): the attention over all of them, and its log-sum-exp."""
+    rows, kv_heads, steps, head_dim = keys.shape
+    grouped = wide(q).view(rows, kv_heads, -1, 1, head_dim)  # [N, kv, group, 1, hd]
+    scores = (grouped * wide(keys)[:, :, None]).sum(-1).view(rows, -1, steps) * scale  # [N, heads, k]
+    merged = torch.logsumexp(torch.cat([wide(lse)[..., None], scores], dim=-1), dim=-1)  # [N, heads]
+    probs = torch.exp(scores - merged[..., None]).view(rows, kv_heads, -1, steps, 1)
+    own = (probs * wide(values)[:, :, None]).sum(-2).view(q.shape)  # [N, heads, hd]
+    return (torch.exp(wide(lse) - merged)[..., None] * wide(out) + own).to(q.dtype), merged
+
+
+def diagonal_backward(q, out, lse, dout, keys, values, scale: float):
+    """The step keys' share of the merged attention's gradient: (dq to add, dkeys, dvalues [N, kv, k, hd])."""
+    rows, kv_heads, steps, head_dim = keys.shape
+    grouped = wide(q).view(rows, kv_heads, -1, 1, head_dim)
+    scores = (grouped * wide(keys)[:, :, None]).sum(-1) * scale  # [N, kv, group, k]
+    probs = torch.exp(scores - wide(lse).view(rows, kv_heads, -1, 1))
+    grad_out = wide(dout).view(rows, kv_heads, -1, 1, head_dim)
+    rowsum = (wide(dout) * wide(out)).sum(-1).view(rows, kv_heads, -1, 1)  # D = rowsum(dout * out)
+    dscores = probs * ((grad_out * wide(values)[:, :, None]).sum(-1) - rowsum)  # [N, kv, group, k]
+    dq = (dscores[..., None] * wide(keys)[:, :, None]).sum(-2).view(q.shape) * scale
+    dkeys = (dscores[..., None] * grouped).sum(2) * scale  # [N, kv, k, hd]
+    dvalues = (probs[..., None] * grad_out).sum(2)
+    return dq, dkeys, dvalues
+
+
+class _TTTAttention(torch.autograd.Function):
+    """Step k's attention: the causal prefix of step-0 keys (flash) merged exactly, through the log-sum-exp,
+    with the row's own keys of steps 1..k (k dot products per row). Inputs (layout, scale, kernels, q, k0, v0,
+    k1, v1, ..) with q [N, heads, hd], k_i and v_i [N, kv, hd]; output [N, heads, hd]."""
+
+    @staticmethod
+    def forward(ctx, layout, scale, kernels, q, *kv):
+        out, lse, state = _prefix_forward(q, kv[0], kv[1], layout, scale)
+        if len(kv) > 2:
+            keys, values = torch.stack(kv[2::2], dim=2), torch.stack(kv[3::2], dim=2)  # [N, kv, k, hd]
+            out, lse = kernels.diagonal_merge(q, out, lse, keys, values, scale)
+        ctx.layout, ctx.scale, ctx.state, ctx.kernels = layout, scale, state, kernels
+        ctx.save_for_backward(q, out, lse, *kv)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, out, lse, *kv = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk0, dv0 = _prefix_backward(dout, q, kv[0], kv[1], out, lse, ctx.layout, ctx.scale, ctx.state)
+        grads = [dk0, dv0]
+        if len(kv) > 2:
+            keys, values = torch.stack(kv[2::2], dim=2), torch.stack(kv[3::2], dim=2)
+            dq_own, dkeys, dvalues = ctx.kernels.diagonal_backward(q, out, lse, dout, keys, values, ctx.scale)
+            dq = (wide(dq) + dq_own).to(q.dtype)
+            for step in range(keys.shape[2]):
+                grads += [dkeys[:, :, step].to(q.dtype), dvalues[:, :, step].to(q.dtype)]
+        return (None, None, None, dq, *grads)
+
+
+def ttt_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                  layout: PackedLayout, scale: float, kernels: FusedKernels | None = None) -> torch.Tensor:
+    """The TTT attention of one step on flattened rows (see ``ttt_attention_mask`` for the pattern).
+
+    ``q`` [N, heads, hd] of step k, ``keys``/``values`` the k+1 steps' [N, kv, hd] so far. Memory is
+    O(N) beyond the inputs (flash kernel for the prefix), not the masked path's O(heads * N * (k+1)N).
+    """
+    pairs = [t for pair in zip(keys, values) for t in pair]
+    return _TTTAttention.apply(layout, scale, kernels or EAGER_KERNELS, q, *pairs)
+
+
+def swiglu_act(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of [gate | up] [N, 2I], in float32, rounded once to the input's dtype."""
+    gate, up = wide(gate_up).chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+def swiglu_act_backward(gate_up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """d[gate | up] of ``swiglu_act`` given the gradient of its output [N, I]."""
+    gate, up = wide(gate_up).chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    grad = wide(grad)
+    return torch.cat([grad * up * sig * (1 + gate * (1 - sig)), grad * gate * sig], dim=-1).to(gate_up.dtype)
+
+
+class MLPGradients:
+    """The MLP weight gradients of one forward's steps, summed by the backward matmuls themselves (C += A @ B
+    in the epilogue, no separate add of two [2I, H] tensors per step) and handed to autograd by the last of
+    the steps' backwards (step 0's: it needs every later step's gradient first)."""
+
+    def __init__(self, users: int):
+        self.pending = users
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        total = self.sums.get(name)
+        self.sums[name] = torch.mm(a, b) if total is None else total.addmm_(a, b)
+
+    def release(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+        self.pending -= 1
+        if self.pending:
+            return None, None
+        sums, self.sums = self.sums, {}
+        return sums["gate_up"], sums["down"]
+
+
+class _SwiGLUMLP(torch.autograd.Function):
+    """down(silu(gate(h)) * up(h)) with [gate; up] stacked; keeps h and, unless ``recompute``, the [N, 2I]
+    gate/up output for the backward (with ``recompute`` the backward redoes that one matmul instead).
+    The weight gradients go through ``gradients`` (an ``MLPGradients`` shared by the steps)."""
+
+    @staticmethod
+    def forward(ctx, h, w_gate_up, w_down, recompute, kernels, gradients):
+        gate_up = F.linear(h, w_gate_up)  # [N, 2I]
+        y = F.linear(kernels.act(gate_up), w_down)  # [N, H]
+        ctx.kernels, ctx.gradients = kernels, gradients
+        ctx.save_for_backward(h, w_gate_up, w_down, *(() if recompute else (gate_up,)))
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        h, w_gate_up, w_down, *kept = ctx.saved_tensors
+        gate_up = kept[0] if kept else F.linear(h, w_gate_up)
+        act = ctx.kernels.act(gate_up)
+        ctx.gradients.add("down", dy.t(), act)  # [H, I]
+        del act
+        dgate_up = ctx.kernels.act_backward(gate_up, dy @ w_down)  # [N, 2I]
+        del gate_up
+        ctx.gradients.add("gate_up", dgate_up.t(), h)  # [2I, H]
+        d_gate_up, d_down = ctx.gradients.release()
+        return dgate_up @ w_gate_up, d_gate_up, d_down, None, None, None
+
+
+def soft_ce_rows(logits: torch.Tensor, teacher_logits: torch.Tensor, row_weight: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of logits [n, D] against the teacher's logits [n, D]: soft CE [n] float32, its gradient scaled
+    by ``row_weight`` [n] in the logits' dtype, and the argmax [n]."""
+    scores = wide(logits)
+    log_p = scores - torch.logsumexp(scores, dim=-1, keepdim=True)
+    target = torch.softmax(wide(teacher_logits), dim=-1)
+    ce = -(target * log_p).sum(-1)
+    grad = ((torch.exp(log_p) - target) * row_weight[:, None]).to(logits.dtype)
+    return ce, grad, scores.argmax(-1)
+
+
+class FusedKernels:
+    """The pointwise pieces of a fused step for one drafter shape, optionally ``torch.compile``d (then a step's
+    norms, RoPE and residuals are a few kernels, and the compiled backward recomputes the cheap ones)."""
+
+    def __init__(self, config: DrafterConfig, compile: bool = False):
+        heads, kv_heads, head_dim, eps = (config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                                          config.rms_norm_eps)
+        sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+
+        def pre(embeds, hidden, w_input_norm, w_hidden_norm, w_qkv, positions, inv_freq):
+            # [N, H] x2 -> q [N, heads, hd], k and v [N, kv, hd] of step k, RoPE at ``positions``
+            x = torch.cat([rms_norm(embeds, w_input_norm, eps), rms_norm(hidden, w_hidden_norm, eps)], dim=-1)
+            q, k, v = F.linear(x, w_qkv).split(sizes, dim=-1)
+            cos, sin = rope_cos_sin(inv_freq, positions)  # [N, 1, hd]
+            rows = x.shape[0]
+            return (apply_rope(q.reshape(rows, heads, head_dim), cos, sin),
+                    apply_rope(k.reshape(rows, kv_heads, head_dim), cos, sin),
+                    v.reshape(rows, kv_heads, head_dim).contiguous())
+
+        def mid(attn, hidden, w_o, w_post_norm):
+            residual = hidden + F.linear(attn, w_o)  # [N, H]
+            return residual, rms_norm(residual, w_post_norm, eps)
+
+        def post(residual, mlp_out, w_norm):
+            out = residual + mlp_out  # the next step's hidden state
+            return out, rms_norm(out, w_norm, eps)  # what the lm_head reads
+
+        wrap = torch.compile if compile else (lambda fn, **_: fn)
+        self.pre, self.mid, self.post = wrap(pre), wrap(mid), wrap(post)
+        self.act, self.act_backward = wrap(swiglu_act), wrap(swiglu_act_backward)
+        self.diagonal_merge, self.diagonal_backward = wrap(diagonal_merge), wrap(diagonal_backward)
+        self.soft_ce = wrap(soft_ce_rows)
+        self.compiled = compile
+
+
+_KERNELS: dict[tuple, FusedKernels] = {}
+
+
+class _EagerKernels:
+    """The shape-free pieces, uncompiled (what ``ttt_attention`` uses when given no kernels)."""
+
+    diagonal_merge = staticmethod(diagonal_merge)
+    diagonal_backward = staticmethod(diagonal_backward)
+
+
+EAGER_KERNELS = _EagerKernels()
+
+
+def fused_kernels(config: DrafterConfig, compile: bool = False) -> FusedKernels:
+    """The (cached) ``FusedKernels`` of a drafter shape."""
+    key = (config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.rms_norm_eps, compile)
+    if key not in _KERNELS:
+        _KERNELS[key] = FusedKernels(config, compile)
+    return _KERNELS[key]
+
+
 class Eagle3Drafter(nn.Module):
     """The EAGLE-3 drafter (SGLang's ``LlamaForCausalLMEagle3`` weights) with its TTT forward."""
 
@@ -398,6 +692,38 @@ class Eagle3Drafter(nn.Module):
         """Draft-vocabulary logits [.., D] of a step's output hidden state [.., H]."""
         return self.lm_head(self.norm(hidden))
 
+    def forward(self, *args, **kwargs) -> list[torch.Tensor]:
+        """``forward_ttt`` (what DDP/FSDP wrappers call)."""
+        return self.forward_ttt(*args, **kwargs)
+
+    @torch.no_grad()
+    def keep_embeddings_on_host(self, dtype: torch.dtype = torch.bfloat16) -> None:
+        """Move the frozen ``embed_tokens`` to pinned host memory in ``dtype``; ``token_embeddings`` gathers the
+        batch's rows there. Saves V*H*4 bytes of GPU memory (2.1 GB for Llama-3.1-8B's 128256 x 4096); with the
+        target's bf16 embeddings and a bf16 forward (which rounds the rows to bf16 anyway) nothing changes."""
+        weight = self.embed_tokens.weight
+        if weight.requires_grad:
+            raise DrafterConfigError("embed_tokens is trained (the drafter's hidden size differs from the target's): "
+                                     "it stays on the device")
+        host = weight.detach().to("cpu", dtype)
+        weight.data = host.pin_memory() if torch.cuda.is_available() else host
+        # DDP would broadcast it and check that every parameter sits on one device type.
+        self._ddp_params_and_buffers_to_ignore = ["embed_tokens.weight"]
+
+    def token_embeddings(self, input_ids: torch.Tensor, ttt_length: int, device: torch.device | None = None,
+                         dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[B, T + ttt_length, H]: the embeddings of ``input_ids`` [B, T], then ``ttt_length`` rows of id 0's (what
+        rows shifted past the end read), on ``device`` (default: the ids'), gathered where the table lives."""
+        weight = self.embed_tokens.weight
+        device = torch.device(device) if device is not None else input_ids.device
+        ids = torch.cat([input_ids, input_ids.new_zeros(input_ids.shape[0], ttt_length)], dim=1)
+        rows = F.embedding(ids.to(weight.device), weight)
+        if rows.device != device:
+            if rows.device.type == "cpu" and device.type == "cuda":
+                rows = rows.pin_memory()
+            rows = rows.to(device, non_blocking=True)
+        return rows if dtype is None else rows.to(dtype)
+
     def forward_ttt(
         self,
         input_ids: torch.Tensor,
@@ -406,6 +732,13 @@ class Eagle3Drafter(nn.Module):
         ttt_length: int = DEFAULT_TTT_LENGTH,
         doc_ids: torch.Tensor | None = None,
         position_step: int = 1,
+        *,
+        attention: str = "sdpa",
+        compute_dtype: torch.dtype | None = None,
+        token_embeds: torch.Tensor | None = None,
+        mlp_recompute_steps: int = 0,
+        compile: bool = False,
+        head: bool = True,
     ) -> list[torch.Tensor]:
         """Unroll ``ttt_length`` draft steps; the logits [B, T, D] of each (see the module docstring).
 
@@ -413,16 +746,32 @@ class Eagle3Drafter(nn.Module):
         ``aux_hidden`` [B, T, n_aux*H_t] the stored aux states, ``position_ids`` [B, T] the
         target's positions (default: restarting at each packed sample), ``doc_ids`` [B, T] which
         packed sample each row belongs to (non-negative, contiguous runs; default one per row).
+
+        ``attention``: ``"sdpa"`` (the reference: one masked SDPA per step over all steps' keys) or
+        ``"fused"`` (``forward_fused``: the same function, fast and O(T) in memory; then
+        ``compute_dtype`` (default: the autocast dtype if autocast is on, else the weights'),
+        ``token_embeds`` (``token_embeddings``' output, default computed here), ``mlp_recompute_steps``
+        (the first that many steps redo the MLP's gate/up matmul in the backward instead of keeping
+        its [T, 2I] output), ``compile`` (``torch.compile`` the pointwise parts) and ``head`` (False:
+        return each step's normed hidden state [B, T, H], what the lm_head reads, for ``fused_ttt_loss``)).
         """
         if ttt_length < 1:
             raise ValueError(f"ttt_length must be at least 1, got {ttt_length}")
         if input_ids.dim() != 2 or aux_hidden.shape[:2] != input_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and aux_hidden {tuple(aux_hidden.shape)} "
                              "must be [B, T] and [B, T, n_aux*H]")
+        if attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
         if doc_ids is None:
             doc_ids = default_doc_ids(input_ids)
         if position_ids is None:
             position_ids = positions_from_doc_ids(doc_ids)
+        if attention == "fused":
+            return self.forward_fused(input_ids, aux_hidden, position_ids, ttt_length, doc_ids, position_step,
+                                      compute_dtype=compute_dtype, token_embeds=token_embeds,
+                                      mlp_recompute_steps=mlp_recompute_steps, compile=compile, head=head)
+        if not head:
+            raise ValueError("head=False (normed hidden states instead of logits) needs attention='fused'")
         mask = ttt_attention_mask(doc_ids, ttt_length)  # [B, 1, T, K*T]
         length = input_ids.shape[1]
         attn = self.midlayer.self_attn
@@ -446,6 +795,72 @@ class Eagle3Drafter(nn.Module):
             step_logits.append(self.logits(hidden))
         return step_logits
 
+    def forward_fused(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        ttt_length: int,
+        doc_ids: torch.Tensor,
+        position_step: int = 1,
+        *,
+        compute_dtype: torch.dtype | None = None,
+        token_embeds: torch.Tensor | None = None,
+        mlp_recompute_steps: int = 0,
+        compile: bool = False,
+        head: bool = True,
+    ) -> list[torch.Tensor]:
+        """``forward_ttt`` on flattened rows [N = B*T], the weights cast once to ``compute_dtype``.
+
+        Per step: norms + [q;k;v] matmul + RoPE (``FusedKernels.pre``), ``ttt_attention`` (flash over the
+        step-0 prefix merged with the row's own step keys), o_proj + residual + norm, the SwiGLU MLP with
+        [gate; up] stacked (``_SwiGLUMLP``), residual + final norm. Runs outside autocast: the weights are
+        cast here, as autocast would, and the activations stay in ``compute_dtype``.
+        """
+        if compute_dtype is None:
+            device_type = input_ids.device.type
+            compute_dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
+                             else self.fc.weight.dtype)
+        batch, length = input_ids.shape
+        rows = batch * length
+        layer, attn = self.midlayer, self.midlayer.self_attn
+        kernels = fused_kernels(self.config, compile)
+
+        def cast(weight: torch.Tensor) -> torch.Tensor:
+            return weight if weight.dtype == compute_dtype else weight.to(compute_dtype)
+
+        with torch.autocast(input_ids.device.type, enabled=False):
+            layout = packed_layout(doc_ids)
+            if token_embeds is None:
+                token_embeds = self.token_embeddings(input_ids, ttt_length)
+            token_embeds = token_embeds.to(device=input_ids.device, dtype=compute_dtype)  # [B, T + K, H]
+            # One cast per forward, shared by the steps (autocast's weight cache does the same).
+            w_qkv = torch.cat([cast(attn.q_proj.weight), cast(attn.k_proj.weight), cast(attn.v_proj.weight)])
+            w_o = cast(attn.o_proj.weight)
+            w_gate_up = torch.cat([cast(layer.mlp.gate_proj.weight), cast(layer.mlp.up_proj.weight)])
+            w_down = cast(layer.mlp.down_proj.weight)
+            hidden = F.linear(aux_hidden.reshape(rows, -1).to(compute_dtype), cast(self.fc.weight))  # [N, H]
+            positions = position_ids.reshape(rows)
+            scale = 1.0 / math.sqrt(attn.head_dim)
+            keys: list[torch.Tensor] = []
+            values: list[torch.Tensor] = []
+            outputs = []
+            mlp_gradients = MLPGradients(ttt_length)
+            for step in range(ttt_length):
+                embeds = token_embeds[:, 1 + step: 1 + step + length].reshape(rows, -1)  # x_{t+1+k}
+                q, k, v = kernels.pre(embeds, hidden, layer.input_layernorm.weight, layer.hidden_norm.weight, w_qkv,
+                                      positions + step * position_step, self.inv_freq)
+                keys.append(k)
+                values.append(v)
+                out = ttt_attention(q, keys, values, layout, scale, kernels).reshape(rows, -1)  # [N, heads*hd]
+                residual, normed = kernels.mid(out, hidden, w_o, layer.post_attention_layernorm.weight)
+                mlp_out = _SwiGLUMLP.apply(normed, w_gate_up, w_down, step < mlp_recompute_steps, kernels,
+                                           mlp_gradients)
+                hidden, normed = kernels.post(residual, mlp_out, self.norm.weight)
+                normed = normed.view(batch, length, -1)
+                outputs.append(F.linear(normed, cast(self.lm_head.weight)) if head else normed)
+        return outputs
+
 
 @dataclass
 class TeacherTargets:
@@ -455,11 +870,17 @@ class TeacherTargets:
     row t + 1 + k here, for x_{t+2+k}.
     """
 
-    probs: torch.Tensor  # [B, T, D] float32, softmax of the target's logits restricted to the draft vocabulary
+    logits: torch.Tensor  # [B, T, D] the target's logits restricted to the draft vocabulary, in the matmul's dtype
     argmax: torch.Tensor  # [B, T] int64, draft id of the target's top-1 (meaningless where not in_draft)
     in_draft: torch.Tensor  # [B, T] bool, the target's top-1 over its full vocabulary is in the draft vocabulary
     loss_mask: torch.Tensor  # [B, T] bool, x_s is an assistant token
     doc_ids: torch.Tensor  # [B, T] int64, packed sample of each row
+
+    @cached_property
+    def probs(self) -> torch.Tensor:
+        """[B, T, D] float32: the soft targets, softmax of ``logits`` (``fused_ttt_loss`` computes them per chunk
+        instead, so that the [B, T, D] float32 tensor never exists)."""
+        return torch.softmax(self.logits.float(), dim=-1)
 
     def valid(self, step: int) -> torch.Tensor:
         """Rows t [B, T] bool whose step-k prediction x_{t+2+k} exists, is in t's sample and is loss-masked."""
@@ -488,32 +909,35 @@ def teacher_targets(
     d2t: torch.Tensor,
     loss_mask: torch.Tensor,
     doc_ids: torch.Tensor | None = None,
-    chunk_rows: int = 2048,
+    chunk_rows: int | None = None,
 ) -> TeacherTargets:
     """The target's soft targets over the draft vocabulary from its stored last hidden states.
 
     ``last_hidden`` [B, T, H] (after the target's final norm, as extracted), ``target_lm_head``
     [V, H] (the matmul runs in its dtype: float32 for exact targets, bf16 to halve its memory),
-    ``loss_mask`` [B, T]. Rows are done ``chunk_rows`` at a time so that the full-vocabulary
-    logits take chunk_rows * V * 4 bytes at most (1 GB for V = 128256).
+    ``loss_mask`` [B, T]. Rows are done ``chunk_rows`` at a time (default: as many as keep the
+    full-vocabulary logits of a chunk within 128 MiB). Only the draft-vocabulary logits are kept, in the
+    matmul's dtype (exact: that is the dtype the matmul produced); ``probs`` is their softmax in float32.
     """
     batch, length, hidden = last_hidden.shape
     if target_lm_head.dim() != 2 or target_lm_head.shape[1] != hidden or target_lm_head.shape[0] != t2d.numel():
         raise ValueError(f"target lm_head {tuple(target_lm_head.shape)} does not fit hidden size {hidden} and "
                          f"vocabulary {t2d.numel()}")
+    if chunk_rows is None:
+        chunk_rows = max(1, TEACHER_CHUNK_BYTES // (t2d.numel() * target_lm_head.element_size()))
     draft_ids = (d2t + torch.arange(d2t.numel(), device=d2t.device)).to(last_hidden.device)  # [D] target ids
     t2d = t2d.to(last_hidden.device)
     draft_index = torch.cumsum(t2d.long(), 0) - 1  # [V]: draft id of a target id (valid where t2d)
     rows = last_hidden.reshape(batch * length, hidden)
-    probs = torch.empty(batch * length, d2t.numel(), dtype=torch.float32, device=last_hidden.device)
+    draft_logits = torch.empty(batch * length, d2t.numel(), dtype=target_lm_head.dtype, device=last_hidden.device)
     top = torch.empty(batch * length, dtype=torch.int64, device=last_hidden.device)
     for start in range(0, rows.shape[0], chunk_rows):
-        logits = F.linear(rows[start:start + chunk_rows].to(target_lm_head.dtype), target_lm_head).float()  # [n, V]
-        top[start:start + chunk_rows] = logits.argmax(-1)
-        probs[start:start + chunk_rows] = torch.softmax(logits[:, draft_ids], dim=-1)
+        logits = F.linear(rows[start:start + chunk_rows].to(target_lm_head.dtype), target_lm_head)  # [n, V]
+        top[start:start + chunk_rows] = logits.argmax(-1)  # the same as on float32 copies: the cast is monotonic
+        draft_logits[start:start + chunk_rows] = logits[:, draft_ids]
     top = top.view(batch, length)
     return TeacherTargets(
-        probs=probs.view(batch, length, -1),
+        logits=draft_logits.view(batch, length, -1),
         argmax=draft_index[top],
         in_draft=t2d[top],
         loss_mask=loss_mask.to(torch.bool),
@@ -544,8 +968,8 @@ def ttt_loss(
     total = step_logits[0].new_zeros((), dtype=torch.float32)
     losses, counts = [], []
     for step, logits in enumerate(step_logits):
-        if logits.shape != teacher.probs.shape:
-            raise ValueError(f"step {step}: logits {tuple(logits.shape)} and teacher {tuple(teacher.probs.shape)} "
+        if logits.shape != teacher.logits.shape:
+            raise ValueError(f"step {step}: logits {tuple(logits.shape)} and teacher {tuple(teacher.logits.shape)} "
                              "must both be [B, T, draft_vocab_size]")
         rows = max(logits.shape[1] - 1 - step, 0)
         mask = teacher.position_mask(step)[:, :rows]  # [B, rows]
@@ -559,6 +983,105 @@ def ttt_loss(
         losses.append(mean.detach())
         counts.append(count)
     return TTTLoss(loss=total, step_losses=torch.stack(losses), step_counts=torch.stack(counts))
+
+
+def _accumulate_product(total: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """total + a @ b in float32 (a, b in the compute dtype); on CUDA bf16 the matmul accumulates into total."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b) if total is None else total.addmm_(a, b)
+    if a.is_cuda:
+        if total is None:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.addmm(total, a, b, out_dtype=torch.float32, out=total)
+    product = torch.mm(a, b).float()
+    return product if total is None else total.add_(product)
+
+
+class _FusedHeadLoss(torch.autograd.Function):
+    """lm_head + soft cross-entropy of every TTT step, the gradients computed in the forward.
+
+    Inputs: (weight [D, H], teacher logits [N, D], row weights [K, N] (mask / denominator), decay, soft_ce
+    (``soft_ce_rows`` or its compiled form), chunk_rows, need_grad, hidden_0 .. hidden_{K-1} [N, H]).
+    Step k's row t is scored against teacher row t + 1 + k. The [rows, D] logits exist one chunk at a time;
+    what the backward keeps is the gradient of each step's hidden [N, H] and of the weight [D, H] (float32),
+    both scaled by the incoming gradient then.
+    Outputs: the loss, the per-step CE [K] and the drafter's top-1 [K, N] (-1 where no teacher row).
+    """
+
+    @staticmethod
+    def forward(ctx, weight, teacher_logits, row_weights, decay, soft_ce, chunk_rows, need_grad, *hiddens):
+        rows = hiddens[0].shape[0]
+        w = weight.to(hiddens[0].dtype)
+        step_losses = torch.zeros(len(hiddens), dtype=row_weights.dtype, device=w.device)
+        argmax = torch.full((len(hiddens), rows), -1, dtype=torch.int64, device=w.device)
+        grad_hiddens, grad_weight = [], None
+        for step, hidden in enumerate(hiddens):
+            scored = max(rows - 1 - step, 0)
+            grad_hidden = torch.zeros_like(hidden) if need_grad else None
+            for start in range(0, scored, chunk_rows):
+                stop = min(scored, start + chunk_rows)
+                part = hidden[start:stop]
+                weights = row_weights[step, start:stop]
+                ce, grad, top = soft_ce(F.linear(part, w), teacher_logits[start + 1 + step: stop + 1 + step],
+                                        weights * decay**step)
+                step_losses[step] += (ce * weights).sum()
+                argmax[step, start:stop] = top
+                if need_grad:
+                    torch.mm(grad, w, out=grad_hidden[start:stop])
+                    grad_weight = _accumulate_product(grad_weight, grad.t(), part)
+            grad_hiddens.append(grad_hidden)
+        decays = torch.tensor([decay**k for k in range(len(hiddens))], dtype=row_weights.dtype, device=w.device)
+        ctx.grads = (grad_weight, grad_hiddens)
+        ctx.mark_non_differentiable(step_losses, argmax)
+        return (decays * step_losses).sum(), step_losses, argmax
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_steps, _grad_argmax):
+        grad_weight, grad_hiddens = ctx.grads
+        ctx.grads = None
+        if grad_weight is None:
+            raise RuntimeError("fused_ttt_loss was run with need_grad=False; it has no gradient to give")
+        grad_weight.mul_(grad_loss)  # 1 when the loss is the root of the backward
+        for grad in grad_hiddens:
+            grad.mul_(grad_loss.to(grad.dtype))
+        return (grad_weight, None, None, None, None, None, None, *grad_hiddens)
+
+
+def fused_ttt_loss(
+    step_hidden: Sequence[torch.Tensor],
+    lm_head_weight: torch.Tensor,
+    teacher: TeacherTargets,
+    decay: float = STEP_DECAY,
+    denominators: torch.Tensor | None = None,
+    *,
+    kernels: FusedKernels | None = None,
+    chunk_rows: int | None = None,
+) -> tuple[TTTLoss, list[torch.Tensor]]:
+    """``ttt_loss`` of ``forward_fused(..., head=False)``'s normed hidden states [B, T, H] per step, the lm_head
+    applied here; also each step's top-1 draft id [B, T] for ``ttt_metrics_from_argmax``.
+
+    Memory: no [T, D] float32 tensor per step is kept for the backward (only the hidden states' gradients,
+    [T, H] each, and the lm_head weight's, which the optimizer needs anyway); ``chunk_rows`` bounds the
+    transient logits (default: all rows when the kernels are compiled, which fuse the softmax, else 256).
+    """
+    batch, length, _ = step_hidden[0].shape
+    rows = batch * length
+    if teacher.logits.shape[:2] != (batch, length):
+        raise ValueError(f"hidden states [{batch}, {length}, H] and teacher {tuple(teacher.logits.shape)} differ")
+    masks = [teacher.position_mask(step) for step in range(len(step_hidden))]  # [B, T] each
+    counts = torch.stack([mask.sum() for mask in masks])
+    dtype = torch.promote_types(step_hidden[0].dtype, torch.float32)
+    divide = (denominators if denominators is not None else counts).to(dtype).clamp(min=1)
+    row_weights = torch.stack([mask.reshape(rows).to(dtype) / divide[k] for k, mask in enumerate(masks)])  # [K, N]
+    if chunk_rows is None:
+        chunk_rows = rows if kernels is not None and kernels.compiled else 256
+    need_grad = torch.is_grad_enabled() and (lm_head_weight.requires_grad or any(h.requires_grad for h in step_hidden))
+    loss, step_losses, argmax = _FusedHeadLoss.apply(
+        lm_head_weight, teacher.logits.reshape(rows, -1), row_weights, decay,
+        kernels.soft_ce if kernels is not None else soft_ce_rows, max(1, chunk_rows), need_grad,
+        *[h.reshape(rows, -1) for h in step_hidden])
+    return (TTTLoss(loss=loss, step_losses=step_losses.detach(), step_counts=counts),
+            list(argmax.view(len(step_hidden), batch, length)))
 
 
 def acceptance_length(cond_acc: Sequence[float]) -> float:
@@ -598,11 +1121,17 @@ class TTTMetrics:
 @torch.no_grad()
 def ttt_metrics(step_logits: Sequence[torch.Tensor], teacher: TeacherTargets) -> TTTMetrics:
     """acc_k, conditional acc_k and the simulated acceptance length's counts for one batch."""
+    return ttt_metrics_from_argmax([logits.argmax(-1) for logits in step_logits], teacher)
+
+
+@torch.no_grad()
+def ttt_metrics_from_argmax(step_argmax: Sequence[torch.Tensor], teacher: TeacherTargets) -> TTTMetrics:
+    """``ttt_metrics`` from the drafter's top-1 draft id [B, T] of each step (``fused_ttt_loss`` gives them)."""
     hits, rows, chain_hits, chain_rows = [], [], [], []
     chain = None
-    for step, logits in enumerate(step_logits):
+    for step, top in enumerate(step_argmax):
         valid = teacher.valid(step)  # [B, T]
-        right = (logits.argmax(-1) == teacher.step_argmax(step)) & shift_left(teacher.in_draft, 1 + step, False)
+        right = (top == teacher.step_argmax(step)) & shift_left(teacher.in_draft, 1 + step, False)
         trained = teacher.position_mask(step)
         hits.append((right & trained).sum())
         rows.append(trained.sum())

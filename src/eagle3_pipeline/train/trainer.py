@@ -1,36 +1,48 @@
-"""The training loop: one process here; written so that DDP can wrap it (``rank``/``world``).
+"""The training loop, in one process or in each process of a torchrun job (DDP or FSDP).
 
 ``train(cfg)`` opens the extraction output, builds the draft vocabulary from its token counts,
 the drafter from the target's ``config.json`` (embeddings copied from the target and frozen),
 and trains it with AdamW, a cosine schedule with linear warmup and gradient clipping against
-the teacher (the target's ``lm_head`` over the stored last hidden states). It writes:
+the teacher (the target's ``lm_head`` over the stored last hidden states). Rank 0 writes:
 
+    <out>/progress.json                 state, step, loss, acc per position, tokens/s, time left (about 1/s)
     <out>/metrics.jsonl                 one JSON line per step ("kind": "train") and per checkpoint ("kind": "eval")
+    <out>/tensorboard/                  the same scalars as TensorBoard events (when tensorboard is installed)
+    <out>/charts/*.png                  loss, acc per position, simulated acceptance length (matplotlib)
     <out>/checkpoints/step-N/           model.safetensors, optimizer.safetensors, rng.safetensors, state.json
     <out>/drafter/                      the SGLang export (``export.export_sglang``)
+    <out>/drafter-speculators/          the speculators form vLLM reads (when the drafter fits it)
+    <out>/training.json                 the finished run: settings fingerprint, final metrics, paths
 
-Checkpoints hold no pickle: tensors go into safetensors (the optimizer state flattened to
-``state.<param index>.<key>``), everything else (param groups, schedule, data position, the
-SHA-256 of every file) into ``state.json``, written last. A checkpoint is built in a temp dir
-and renamed into place; on resume the newest one whose files all match their recorded
-SHA-256 is used (a partial or damaged one is skipped), and ``metrics.jsonl`` is cut back to
-its step, so a run killed at any point and restarted gives the same per-step losses as an
+Checkpoints hold no pickle: tensors go into safetensors (the optimizer state, keyed by parameter
+name, flattened to ``state.<name>.<key>``), everything else (param groups, schedule, data
+position, the SHA-256 of every file) into ``state.json``, written last. A checkpoint is built in
+a temp dir and renamed into place; on resume the newest one whose files all match their
+recorded SHA-256 is used (a partial or damaged one is skipped), and ``metrics.jsonl`` is cut back
+to its step, so a run killed at any point and restarted gives the same per-step losses as an
 uninterrupted one (on the CPU with a fixed seed; the last two checkpoints are kept).
 
 The schedule's length is ``epochs`` x batches per epoch, NOT ``max_steps``: ``max_steps`` only
 stops the run, so stopping at N and continuing with a larger limit follows the same curve.
 
-DDP (later): the loss of each TTT step is divided by ``denominators`` = the global count of
-masked rows (all-reduced) / world, so that DDP's gradient average equals the global mean;
-metric counts are all-reduced; only rank 0 writes files.
+Several processes: each reads its own share of every epoch's batches (``data.shard``); the
+loss of each TTT step is divided by the global count of masked rows / world (``step.py``), so
+DDP's gradient average equals the global mean; metric counts are all-reduced; state dicts are
+gathered whole (a collective under FSDP) and only rank 0 writes files. SIGTERM or SIGINT: every
+process stops after the current step, a checkpoint is written, ``StopRequested`` is raised.
+A finished run is recorded in ``training.json`` with a fingerprint of the data and the settings
+that decide the result; the same call again returns at once (``Plan.status()['complete']``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import shutil
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -39,20 +51,23 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 from eagle3_pipeline.atomic import atomic_write_text
 from eagle3_pipeline.extract.store import file_sha256
 from eagle3_pipeline.extract.verify import load_lm_head
+from eagle3_pipeline.models.config import read_text_config
 from eagle3_pipeline.train import export
-from eagle3_pipeline.train.data import DataError, DataState, TrainData, batches, open_dataset, pack, shard
-from eagle3_pipeline.train.model import (
-    DrafterConfig,
-    Eagle3Drafter,
-    TTTMetrics,
-    teacher_targets,
-    ttt_loss,
-    ttt_metrics,
-)
+from eagle3_pipeline.train.command import STOP_FILE_ENV
+from eagle3_pipeline.train.data import DataError, DataState, TrainData, batches, load_batch, open_dataset, pack, shard
+from eagle3_pipeline.train.model import DrafterConfig, Eagle3Drafter, TTTMetrics
+from eagle3_pipeline.train.step import PARALLEL_MODES, StepRunner, all_reduce, distributed
 from eagle3_pipeline.train.vocab import VocabError, build_draft_vocab, load_token_counts, resolve_draft_vocab_size
 
 METRICS_FILE = "metrics.jsonl"
@@ -64,6 +79,16 @@ MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
 DTYPES = ("float32", "bfloat16")
+SHAPE_OVERRIDES = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size")
+PROGRESS_FILE = "progress.json"
+TRAINING_FILE = "training.json"
+SPECULATORS_DIR = "drafter-speculators"
+TENSORBOARD_DIR = "tensorboard"
+CHARTS_DIR = "charts"
+# Settings that decide what a finished run exports: the same ones over the same data -> nothing to do.
+FINGERPRINT_FIELDS = ("target_model_path", "draft_vocab_size", "ttt_length", "epochs", "max_steps", "lr",
+                      "warmup_steps", "weight_decay", "grad_clip", "batch_tokens", "eval_ratio", "seed", "dtype",
+                      *SHAPE_OVERRIDES)
 # Settings a resumed run must share with the checkpoint, or its data order / model differ.
 RESUME_FIXED = ("seed", "batch_tokens", "eval_ratio", "ttt_length", "draft_vocab_size", "world")
 
@@ -91,15 +116,24 @@ class TrainConfig:
     eval_ratio: float = 0.0
     seed: int = 0
     checkpoint_every: int = 0  # 0: only at the end
-    device: str = "cpu"
-    dtype: str = "float32"  # bfloat16: autocast with fp32 master weights
+    device: str = "auto"  # auto: this process's GPU under torchrun / the first GPU when there is one, else cpu
+    dtype: str = "auto"  # auto: bfloat16 on a GPU, float32 on the CPU; bfloat16 = autocast, fp32 master weights
+    parallel: str = "ddp"  # several processes: ddp (replicated drafter) or fsdp (sharded, for wide drafters)
+    resume: bool = True  # False: discard the output dir's checkpoints and metrics, start over
+    # The drafter's shape; None: the target's (see DrafterConfig.from_target).
+    hidden_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    intermediate_size: int | None = None
+    tensorboard: bool = True  # <out>/tensorboard/ when the tensorboard package is installed
+    charts: bool = True  # <out>/charts/*.png when matplotlib is installed
 
     def __post_init__(self) -> None:
         for name in ("data_dir", "output_dir"):
             if not getattr(self, name):
                 raise TrainConfigError(f"{name} must be a directory path, got {getattr(self, name)!r}")
-        positive = ["ttt_length", "epochs", "batch_tokens"] + [n for n in ("max_steps", "draft_vocab_size")
-                                                               if getattr(self, n) is not None]
+        optional = ("max_steps", "draft_vocab_size", *SHAPE_OVERRIDES)
+        positive = ["ttt_length", "epochs", "batch_tokens"] + [n for n in optional if getattr(self, n) is not None]
         for name in positive:
             _check_int(name, getattr(self, name), 1)
         for name in ("warmup_steps", "seed", "checkpoint_every"):
@@ -113,12 +147,16 @@ class TrainConfig:
         if isinstance(self.eval_ratio, bool) or not isinstance(self.eval_ratio, int | float) \
                 or not 0.0 <= self.eval_ratio < 1.0:
             raise TrainConfigError(f"eval_ratio must be in [0, 1), got {self.eval_ratio!r}")
-        if self.dtype not in DTYPES:
-            raise TrainConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        try:
-            torch.device(self.device)
-        except (RuntimeError, TypeError):
-            raise TrainConfigError(f"device {self.device!r} is not a torch device") from None
+        if self.dtype not in ("auto", *DTYPES):
+            raise TrainConfigError(f"dtype must be auto or one of {DTYPES}, got {self.dtype!r}")
+        if self.parallel not in PARALLEL_MODES:
+            raise TrainConfigError(f"parallel must be one of {PARALLEL_MODES}, got {self.parallel!r}")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError):
+                raise TrainConfigError(f"device {self.device!r} is not a torch device (auto, cpu, cuda, cuda:N)") \
+                    from None
 
 
 def _check_int(name: str, value, low: int) -> None:
@@ -152,38 +190,37 @@ def load_target_embeddings(model_path: str | Path) -> torch.Tensor:
     return read_tensor(model_path, weights, names[0]).float()
 
 
-def _all_reduce(tensor: torch.Tensor, world: int) -> torch.Tensor:
-    if world > 1 and dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor)
-    return tensor
-
-
-def _step_counts(teacher, steps: int) -> torch.Tensor:
-    """Masked rows per TTT step, as ``ttt_loss`` counts them."""
-    length = teacher.probs.shape[1]
-    return torch.stack([teacher.position_mask(k)[:, :max(length - 1 - k, 0)].sum() for k in range(steps)])
-
-
 def _flatten_optimizer(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """An optimizer state dict keyed by parameter name (``get_optimizer_state_dict``'s form) as
+    tensors ``state.<param name>.<key>`` and JSON for the rest."""
     tensors, scalars = {}, {}
-    for index, entry in state["state"].items():
+    for name, entry in state["state"].items():
         for key, value in entry.items():
             if torch.is_tensor(value):
-                tensors[f"state.{index}.{key}"] = value.detach().cpu().contiguous()
+                tensors[f"state.{name}.{key}"] = value.detach().cpu().contiguous()
             else:
-                scalars.setdefault(str(index), {})[key] = value
+                scalars.setdefault(str(name), {})[key] = value
     return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
 
 
 def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
-    state: dict[int, dict] = {}
-    for name, value in tensors.items():
-        _, index, key = name.split(".", 2)
-        state.setdefault(int(index), {})[key] = value
-    for index, entry in meta["scalars"].items():
-        state.setdefault(int(index), {}).update(entry)
+    state: dict[str, dict] = {}
+    for flat, value in tensors.items():
+        name, key = flat.removeprefix("state.").rsplit(".", 1)
+        state.setdefault(name, {})[key] = value
+    for name, entry in meta["scalars"].items():
+        state.setdefault(name, {}).update(entry)
     groups = [{**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in meta["param_groups"]]
     return {"state": state, "param_groups": groups}
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(model, optimizer) state dicts, whole and on the CPU, of a plain, DDP or FSDP model.
+
+    A collective under FSDP: every process calls it; the tensors land on rank 0 (empty elsewhere).
+    """
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
 
 
 def checkpoint_dirs(out_dir: Path) -> list[Path]:
@@ -197,18 +234,17 @@ def checkpoint_dirs(out_dir: Path) -> list[Path]:
     return [path for _, path in sorted(found, reverse=True)]
 
 
-def save_checkpoint(out_dir: Path, step: int, model: Eagle3Drafter, optimizer: torch.optim.Optimizer,
-                    state: dict) -> Path:
+def save_checkpoint(out_dir: Path, step: int, model_state: dict, optimizer_state: dict, state: dict) -> Path:
     """Write ``checkpoints/step-<step>`` atomically (temp dir + rename); keep the newest two."""
     root = out_dir / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-step-{step}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    model_state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()
-                   if k != "embed_tokens.weight"}
-    save_file(model_state, str(tmp / MODEL_FILE))
-    opt_tensors, opt_meta = _flatten_optimizer(optimizer.state_dict())
+    frozen = state.get("frozen", ["embed_tokens.weight"])  # the target's own tensors: not saved
+    save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items() if k not in frozen},
+              str(tmp / MODEL_FILE))
+    opt_tensors, opt_meta = _flatten_optimizer(optimizer_state)
     save_file(opt_tensors, str(tmp / OPTIMIZER_FILE))
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -276,6 +312,9 @@ def _cut_metrics(path: Path, step: int) -> None:
     atomic_write_text(path, "".join(f"{line}\n" for line in kept))
 
 
+METRIC_COUNTS = ("hits", "rows", "chain_hits", "chain_rows")
+
+
 def _sum_metrics(total: TTTMetrics | None, new: TTTMetrics) -> TTTMetrics:
     if total is None:
         return new
@@ -288,77 +327,153 @@ def _sum_metrics(total: TTTMetrics | None, new: TTTMetrics) -> TTTMetrics:
 class _Run:
     cfg: TrainConfig
     data: TrainData
-    model: Eagle3Drafter
-    lm_head: torch.Tensor
-    device: torch.device
+    runner: StepRunner
     rank: int
     world: int
 
-    def autocast(self):
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.dtype == "bfloat16")
-
-    def forward(self, batch, denominators=None):
-        """(TTTLoss, TTTMetrics) of one packed batch, on the device."""
-        batch = batch.to(self.device)
-        d2t, t2d = self.model.d2t, self.model.t2d
-        teacher = teacher_targets(batch.last_hidden[None], self.lm_head, t2d, d2t, batch.loss_mask[None],
-                                  batch.doc_ids[None])
-        counts = _step_counts(teacher, self.cfg.ttt_length)
-        if denominators is None:
-            global_counts = _all_reduce(counts.clone(), self.world)
-            denominators = global_counts if self.world == 1 else global_counts.float() / self.world
-        with self.autocast():
-            logits = self.model.forward_ttt(batch.input_ids[None], batch.aux_hidden[None], batch.position_ids[None],
-                                            self.cfg.ttt_length, batch.doc_ids[None])
-        loss = ttt_loss(logits, teacher, denominators=denominators)
-        return loss, ttt_metrics(logits, teacher)
-
     @torch.no_grad()
     def evaluate(self, held) -> dict | None:
+        """Held-out loss and metrics: every held-out sample once, the packed batches dealt round-robin
+        to the processes (a process short of a batch re-runs one and discards it: FSDP's forward is
+        a collective, so every process runs as many)."""
         if not held:
             return None
-        self.model.eval()
+        model = self.runner.model
+        packed = pack(held, self.cfg.batch_tokens, self.cfg.seed, 0)
+        mine = packed[self.rank::self.world]
+        rounds = -(-len(packed) // self.world)
+        model.eval()
         sums = torch.zeros(self.cfg.ttt_length, dtype=torch.float64)
         counts = torch.zeros(self.cfg.ttt_length, dtype=torch.float64)
         metrics = None
-        try:
-            stream = list(batches(self.data, self.cfg.batch_tokens, self.cfg.seed, self.rank, self.world,
-                                  samples=held, epochs=1))
-        except DataError:
-            return None
-        for _, batch in stream:
-            loss, batch_metrics = self.forward(batch, denominators=torch.ones(self.cfg.ttt_length))
+        for index in range(rounds):
+            spare = index >= len(mine)
+            batch = load_batch(self.data, (mine or packed)[0 if spare else index], max_tokens=self.cfg.batch_tokens)
+            loss, batch_metrics = self.runner.forward(batch, training=False)
+            if spare:
+                continue
             sums += loss.step_losses.double().cpu()  # summed CE per step (denominator 1)
             counts += loss.step_counts.double().cpu()
-            metrics = _sum_metrics(metrics, batch_metrics)
-        self.model.train()
+            metrics = _sum_metrics(metrics, TTTMetrics(*(getattr(batch_metrics, name).cpu() for name in METRIC_COUNTS)))
+        model.train()
         if metrics is None:
-            return None
-        sums, counts = _all_reduce(sums, self.world), _all_reduce(counts, self.world)
-        for name in ("hits", "rows", "chain_hits", "chain_rows"):
-            _all_reduce(getattr(metrics, name), self.world)
+            metrics = TTTMetrics(*(torch.zeros(self.cfg.ttt_length, dtype=torch.int64) for _ in range(4)))
+        device = self.runner.device
+        sums, counts = all_reduce(sums.to(device)).cpu(), all_reduce(counts.to(device)).cpu()
+        totals = [all_reduce(getattr(metrics, name).to(device)).cpu() for name in METRIC_COUNTS]
+        metrics = TTTMetrics(*totals)
         parts = sums / counts.clamp(min=1)
         weighted = sum(0.8**k * float(p) for k, p in enumerate(parts))
         return {"loss": weighted, **_metric_fields(parts, metrics), "samples": len(held)}
 
 
-def _target_config(path: Path) -> dict:
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise TrainConfigError(f"target_model_path {path}: no config.json (is it a Hugging Face model directory?)")
-    config = json.loads(config_file.read_text())
-    return config if "hidden_size" in config else config.get("text_config", config)
+class StopRequested(Exception):
+    """SIGTERM/SIGINT arrived: the run checkpointed where it stood; a rerun continues."""
 
 
-def train(cfg: TrainConfig, rank: int = 0, world: int = 1) -> dict:
-    """Train (or resume) to ``max_steps`` / the end of ``epochs``, checkpoint, export; a summary dict."""
-    out_dir = Path(cfg.output_dir)
+def resolve_device(name: str) -> torch.device:
+    """``auto``: this process's GPU (LOCAL_RANK under torchrun) when there is one, else the CPU."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if name == "auto":
+        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TrainConfigError(f"device {name}: no GPU is visible to torch (check nvidia-smi and "
+                                   "CUDA_VISIBLE_DEVICES), or use device auto / cpu")
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
+    return device
+
+
+@dataclass
+class Plan:
+    """Everything ``train`` needs that can be checked without training (``train --check`` shows it)."""
+
+    cfg: TrainConfig
+    device: torch.device
+    dtype: str
+    rank: int
+    world: int
+    data: TrainData
+    train_samples: list
+    held: list
+    target_path: Path
+    target_config: dict
+    drafter_config: DrafterConfig
+    vocab: object
+    total: int
+    limit: int
+    fixed: dict
+    fingerprint: str
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.cfg.output_dir)
+
+    def check_resumable(self, path: Path, document: dict) -> None:
+        """Refuse a checkpoint written with settings that change the data order or the model."""
+        saved = document.get("fixed", {})
+        changed = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in self.fixed.items() if saved.get(k) != v]
+        if changed:
+            raise TrainConfigError(f"{path} was written with other settings ({'; '.join(changed)}); use another "
+                                   "output_dir, the same settings, or resume: false to start over")
+
+    def status(self) -> dict:
+        """Whether a drafter of these data and settings is exported already, and where a run would start."""
+        complete, reason = False, "no finished run in the output directory"
+        record = _read_json(self.out_dir / TRAINING_FILE)
+        if record is not None:
+            if record.get("fingerprint") != self.fingerprint:
+                reason = "the output directory's finished run used other data or settings"
+            elif not (self.out_dir / DRAFTER_DIR / "model.safetensors").is_file():
+                reason = f"{self.out_dir / DRAFTER_DIR} is missing"
+            else:
+                complete, reason = True, "a drafter for these data and settings is already exported"
+        newest = next(iter(checkpoint_dirs(self.out_dir)), None) if self.cfg.resume else None
+        if newest is not None and not complete:
+            document = _read_json(newest / STATE_FILE)
+            if document is not None:
+                self.check_resumable(newest, document)
+        return {"complete": complete, "reason": reason, "output_dir": str(self.out_dir),
+                "drafter_dir": str(self.out_dir / DRAFTER_DIR), "total_steps": self.total, "limit_steps": self.limit,
+                "resume_step": int(newest.name.removeprefix("step-")) if newest else None,
+                "world": self.world, "device": str(self.device), "dtype": self.dtype,
+                "draft_vocab_size": self.drafter_config.draft_vocab_size, "vocab_size": self.drafter_config.vocab_size,
+                "train_samples": len(self.train_samples), "eval_samples": len(self.held),
+                "train_tokens": sum(sample.tokens for sample in self.train_samples)}
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _file_digest(path: Path) -> str:
+    return file_sha256(path) if path.is_file() else ""
+
+
+def make_plan(cfg: TrainConfig, world: int | None = None) -> Plan:
+    """Open and check the data, the target and the settings; raise a clear error on the first problem.
+
+    ``world``: the number of processes the run will have (``train --check`` before torchrun
+    starts them); default: this process group's size.
+    """
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed() else (0, world or 1)
+    device = resolve_device(cfg.device)
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     data = open_dataset(cfg.data_dir)
     train_samples, held = data.split(cfg.eval_ratio)
     target_path = Path(cfg.target_model_path or data.manifest.get("target_model_path") or "")
     if not str(target_path) or str(target_path) == ".":
         raise TrainConfigError("target_model_path is not set and the manifest names none")
-    target_config = _target_config(target_path)
+    if not (target_path / "config.json").is_file():
+        raise TrainConfigError(f"target_model_path {target_path}: no config.json (is it a Hugging Face model "
+                               "directory?); set eagle_training_target_model_path / --target-model-path")
+    target_config = read_text_config(target_path)
     vocab_size = int(target_config["vocab_size"])
     if int(target_config["hidden_size"]) != data.hidden_size or vocab_size != int(data.manifest.get("vocab_size",
                                                                                                      vocab_size)):
@@ -370,108 +485,297 @@ def train(cfg: TrainConfig, rank: int = 0, world: int = 1) -> dict:
     if counts.numel() != vocab_size:
         raise VocabError(f"token counts cover {counts.numel()} ids, the target's vocabulary has {vocab_size}")
     vocab = build_draft_vocab(counts, draft_size)
-
-    device = torch.device(cfg.device)
-    torch.manual_seed(cfg.seed)
-    drafter_config = DrafterConfig.from_target(target_config, data.n_aux, draft_size)
-    model = Eagle3Drafter(drafter_config, vocab.d2t, vocab.t2d)
-    model.load_target_embeddings(load_target_embeddings(target_path))
-    model.to(device)
-    lm_head = load_lm_head(target_path, "cpu" if device.type == "cpu" else str(device))
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    run = _Run(cfg, data, model, lm_head, device, rank, world)
-
+    overrides = {name: getattr(cfg, name) for name in SHAPE_OVERRIDES if getattr(cfg, name) is not None}
+    drafter_config = DrafterConfig.from_target(target_config, data.n_aux, draft_size, **overrides)
     per_epoch = [len(shard(pack(train_samples, cfg.batch_tokens, cfg.seed, e), rank, world))
                  for e in range(cfg.epochs)]
     total = sum(per_epoch)
     if total == 0:
-        raise DataError(f"{len(train_samples)} training samples make no batch for each of {world} processes")
+        raise DataError(f"{len(train_samples)} training samples of {data.root} make no batch of "
+                        f"{cfg.batch_tokens} tokens for each of {world} processes; lower batch_tokens or the "
+                        "number of processes, or extract more data")
     limit = min(total, cfg.max_steps) if cfg.max_steps is not None else total
     fixed = {"seed": cfg.seed, "batch_tokens": cfg.batch_tokens, "eval_ratio": cfg.eval_ratio,
              "ttt_length": cfg.ttt_length, "draft_vocab_size": draft_size, "world": world}
+    settings = {name: getattr(cfg, name) for name in FINGERPRINT_FIELDS}
+    settings.update(target_model_path=str(target_path.resolve()), draft_vocab_size=draft_size, dtype=dtype,
+                    world=world, data=_file_digest(Path(cfg.data_dir) / "data_config.json"))
+    fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+    return Plan(cfg, device, dtype, rank, world, data, train_samples, held, target_path, target_config,
+                drafter_config, vocab, total, limit, fixed, fingerprint)
 
-    step, data_state, resumed_from = 0, DataState(), None
-    metrics_path = out_dir / METRICS_FILE
-    found = newest_checkpoint(out_dir)
-    if found is not None:
-        path, (document, model_state, optimizer_state, rng) = found
-        changed = [f"{k} {document['fixed'].get(k)!r} -> {v!r}" for k, v in fixed.items()
-                   if document["fixed"].get(k) != v]
-        if changed:
-            raise TrainConfigError(f"{path} was written with other settings ({'; '.join(changed)}); use another "
-                                   "output_dir or the same settings to resume")
-        if not torch.equal(model_state["d2t"], vocab.d2t):
-            raise VocabError(f"{path}: its draft vocabulary differs from the one the data's token counts give now")
-        missing, unexpected = model.load_state_dict(model_state, strict=False)
-        if set(missing) != {"embed_tokens.weight"} or unexpected:
-            raise ValueError(f"{path}: model tensors do not match (missing {missing}, unexpected {unexpected})")
-        optimizer.load_state_dict(optimizer_state)
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"])
-        step, data_state, resumed_from = int(document["step"]), DataState.from_dict(document["data"]), path
+
+class _Progress:
+    """``<out>/progress.json`` (rank 0), rewritten atomically at most once a second and at the end."""
+
+    def __init__(self, path: Path | None, total: int, limit: int, start_step: int):
+        self.path, self.total, self.limit, self.start_step = path, total, limit, start_step
+        self.started = time.monotonic()
+        self.written = 0.0
+        self.fields: dict = {"step": start_step, "total_steps": total, "limit_steps": limit, "epoch": 1, "epochs": 1,
+                             "loss": None, "acc_k": [], "acceptance_length": None, "tokens_per_s": None,
+                             "eval": None}
+
+    def update(self, state: str = "running", message: str = "", force: bool = False, **fields) -> None:
+        self.fields.update(fields)
+        if self.path is None or (not force and time.monotonic() - self.written < 1.0):
+            return
+        self.written = time.monotonic()
+        elapsed = time.monotonic() - self.started
+        done = self.fields["step"] - self.start_step
+        eta = elapsed / done * (self.limit - self.fields["step"]) if done > 0 and state == "running" else None
+        document = {"state": state, **self.fields, "elapsed_s": round(elapsed, 3),
+                    "eta_s": None if eta is None else round(eta, 1), "message": message, "pid": os.getpid(),
+                    "updated": time.time()}
+        atomic_write_text(self.path, json.dumps(document) + "\n")
+
+
+class _MetricsLog:
+    """metrics.jsonl (always) and TensorBoard (when installed and wanted), rank 0 only."""
+
+    def __init__(self, out_dir: Path, resume_step: int, enabled: bool, tensorboard: bool):
+        self.handle = open(out_dir / METRICS_FILE, "a") if enabled else None  # noqa: SIM115
+        self.board = None
+        if enabled and tensorboard:
+            try:
+                from eagle3_pipeline.train.tensorboard import TensorBoardLog  # noqa: PLC0415
+
+                available = TensorBoardLog.available()
+            except ImportError:
+                available = False
+            if available:
+                self.board = TensorBoardLog(out_dir / TENSORBOARD_DIR, purge_step=resume_step + 1)
+            else:
+                print("eagle3 train: tensorboard is not installed; metrics go to metrics.jsonl only "
+                      "(pip install tensorboard for the event files)", flush=True)
+
+    def write(self, record: dict) -> None:
+        if self.handle is None:
+            return
+        self.handle.write(json.dumps(record) + "\n")
+        self.handle.flush()
+        if self.board is not None:
+            self.board.write(record)
+
+    def flush(self) -> None:
+        if self.board is not None:
+            self.board.flush()
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+        if self.board is not None:
+            self.board.close()
+
+
+def write_charts(out_dir: Path) -> list[str]:
+    """The PNG charts of ``metrics.jsonl`` in ``<out>/charts``; [] with a note when matplotlib is missing."""
+    try:
+        from eagle3_pipeline.train.charts import write_charts as draw  # noqa: PLC0415
+
+        return [str(path) for path in draw(out_dir / METRICS_FILE, out_dir / CHARTS_DIR)]
+    except ImportError as exc:
+        print(f"eagle3 train: no charts ({exc}); pip install matplotlib, then eagle3-pipeline train-charts",
+              flush=True)
+    except ValueError as exc:
+        print(f"eagle3 train: no charts: {exc}", flush=True)
+    return []
+
+
+def discard_run(out_dir: Path) -> None:
+    """What ``resume: false`` starts over from: checkpoints, metrics, events, charts, progress, the record."""
+    for name in (CHECKPOINTS_DIR, TENSORBOARD_DIR, CHARTS_DIR):
+        shutil.rmtree(out_dir / name, ignore_errors=True)
+    for name in (METRICS_FILE, PROGRESS_FILE, TRAINING_FILE):
+        (out_dir / name).unlink(missing_ok=True)
+
+
+def _install_stop_handlers() -> dict:
+    """SIGTERM/SIGINT set a flag that the loop reads between steps (main thread only)."""
+    flag = {"stop": False}
+    if threading.current_thread() is not threading.main_thread():
+        return flag
+
+    def request(signum, _frame):
+        flag["stop"] = True
+        print(f"eagle3 train: {signal.Signals(signum).name}: stopping after this step, with a checkpoint",
+              flush=True)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, request)
+    return flag
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Train (or resume) to ``max_steps`` / the end of ``epochs``, checkpoint, export; a summary dict.
+
+    Under torchrun, call it in every process after ``init_process_group``; rank 0 writes the files.
+    Raises StopRequested after checkpointing when SIGTERM/SIGINT arrived.
+    """
+    plan = make_plan(cfg)
+    out_dir, rank, world, device = plan.out_dir, plan.rank, plan.world, plan.device
+    status = plan.status()
+    if status["complete"]:
+        record = _read_json(out_dir / TRAINING_FILE) or {}
+        return {**record, "already_complete": True}
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
+        if not cfg.resume:
+            discard_run(out_dir)
+        (out_dir / TRAINING_FILE).unlink(missing_ok=True)
+    if distributed():
+        dist.barrier()
+    stop = _install_stop_handlers()
+    stop_file = os.environ.get(STOP_FILE_ENV)  # set by the torchrun launcher (train/command.py)
+
+    torch.manual_seed(cfg.seed)
+    vocab, drafter_config = plan.vocab, plan.drafter_config
+    model = Eagle3Drafter(drafter_config, vocab.d2t, vocab.t2d)
+    own_embeddings = drafter_config.hidden_size != drafter_config.target_hidden_size
+    if own_embeddings:  # the target's [V, H_target] cannot serve: the drafter learns its own, and exports them
+        model.embed_tokens.weight.requires_grad_(True)
+        if rank == 0:
+            print(f"eagle3 train: drafter hidden size {drafter_config.hidden_size} != the target's "
+                  f"{drafter_config.target_hidden_size}: embed_tokens is trained and exported", flush=True)
+    else:
+        model.load_target_embeddings(load_target_embeddings(plan.target_path))
+    frozen = [] if own_embeddings else ["embed_tokens.weight"]
+    step, data_state, resumed_from, optimizer_state = 0, DataState(), None, None
+    found = newest_checkpoint(out_dir) if cfg.resume else None
+    if found is not None:
+        path, (document, model_state, optimizer_state, rng) = found
+        plan.check_resumable(path, document)
+        if not torch.equal(model_state["d2t"], vocab.d2t):
+            raise VocabError(f"{path}: its draft vocabulary differs from the one the data's token counts give now; "
+                             "use another output_dir or resume: false")
+        missing, unexpected = model.load_state_dict(model_state, strict=False)
+        if set(missing) != set(frozen) or unexpected:
+            raise TrainConfigError(f"{path}: model tensors do not match this drafter's (missing {missing}, "
+                                   f"unexpected {unexpected}); the shape settings changed?")
+        torch.set_rng_state(rng["torch"])
+        step, data_state, resumed_from = int(document["step"]), DataState.from_dict(document["data"]), path
+        if rank == 0:
+            print(f"eagle3 train: resuming from {path} (step {step} of {plan.limit})", flush=True)
+    if distributed():  # every process must resume from the same checkpoint: a shared output_dir
+        seen = torch.tensor([step, -step], dtype=torch.int64, device=device)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+        if int(seen[0]) != -int(seen[1]):
+            raise TrainConfigError(f"the processes found different checkpoints in {out_dir} (steps {-int(seen[1])} "
+                                   f"to {int(seen[0])}): output_dir must be one directory shared by every node")
+    model.to(device)
+    lm_head = load_lm_head(plan.target_path, "cpu" if device.type == "cpu" else str(device))
+    runner = StepRunner(model, lm_head, ttt_length=cfg.ttt_length, device=device, dtype=plan.dtype,
+                        parallel=cfg.parallel)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if optimizer_state is not None:
+        set_optimizer_state_dict(runner.module, optimizer, optimizer_state,
+                                 options=StateDictOptions(full_state_dict=True))
+        if "cuda" in rng and device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], device)
+    run = _Run(cfg, plan.data, runner, rank, world)
+
+    metrics_path = out_dir / METRICS_FILE
+    if rank == 0:
         _cut_metrics(metrics_path, step)
+    progress = _Progress(out_dir / PROGRESS_FILE if rank == 0 else None, plan.total, plan.limit, step)
+    log = _MetricsLog(out_dir, step, rank == 0, cfg.tensorboard)
+    evaluation = None
 
     def checkpoint(at_step: int, state: DataState) -> None:
-        evaluation = run.evaluate(held)
-        if rank != 0:
-            return
-        save_checkpoint(out_dir, at_step, model, optimizer,
-                        {"fixed": fixed, "data": state.to_dict(), "schedule": {"total": total, "step": at_step},
-                         "config": asdict(cfg)})
-        if evaluation is not None:
-            with open(metrics_path, "a") as handle:
-                handle.write(json.dumps({"kind": "eval", "step": at_step, **evaluation}) + "\n")
+        nonlocal evaluation
+        evaluation = run.evaluate(plan.held)
+        model_state, opt_state = full_state(runner.module, optimizer)
+        if rank == 0:
+            save_checkpoint(out_dir, at_step, model_state, opt_state,
+                            {"fixed": plan.fixed, "frozen": frozen, "data": state.to_dict(),
+                             "schedule": {"total": plan.total, "step": at_step}, "config": asdict(cfg)})
+            if evaluation is not None:
+                log.write({"kind": "eval", "step": at_step, **evaluation})
+                progress.update(eval=evaluation)
+            log.flush()
+            if cfg.charts:
+                write_charts(out_dir)
 
     last = None
     model.train()
-    if step < limit:
-        stream = batches(data, cfg.batch_tokens, cfg.seed, rank, world, data_state, samples=train_samples,
-                         epochs=cfg.epochs)
-        epoch = data_state.epoch
-        with open(metrics_path, "a") if rank == 0 else open(os.devnull, "w") as log:
+    try:
+        progress.update(message=f"resumed from step {step}" if resumed_from else "started", force=True)
+        if step < plan.limit:
+            stream = batches(plan.data, cfg.batch_tokens, cfg.seed, rank, world, data_state,
+                             samples=plan.train_samples, epochs=cfg.epochs)
+            epoch = data_state.epoch
             for after, batch in stream:
                 started = time.perf_counter()
-                lr = lr_at(step, cfg, total)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                loss, metrics = run.forward(batch)
-                optimizer.zero_grad(set_to_none=True)
-                loss.loss.backward()
-                if cfg.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-                optimizer.step()
+                lr = lr_at(step, cfg, plan.total)
+                loss, metrics = runner.train_step(batch, optimizer, lr, cfg.grad_clip)
                 step += 1
-                reduced = _all_reduce(loss.loss.detach().clone(), world)
-                parts = _all_reduce(loss.step_losses.clone(), world)
-                for name in ("hits", "rows", "chain_hits", "chain_rows"):
-                    _all_reduce(getattr(metrics, name), world)
-                tokens = _all_reduce(torch.tensor(batch.num_tokens), world)
+                reduced = all_reduce(loss.loss.detach().clone()) / world
+                parts = all_reduce(loss.step_losses.clone()) / world
+                for name in METRIC_COUNTS:
+                    all_reduce(getattr(metrics, name))
+                tokens = all_reduce(torch.tensor(batch.num_tokens, device=device))
                 elapsed = max(time.perf_counter() - started, 1e-9)
-                last = {"kind": "train", "step": step, "epoch": epoch, "loss": float(reduced),
+                last = {"kind": "train", "step": step, "epoch": epoch + 1, "loss": float(reduced),
                         **_metric_fields(parts, metrics), "tokens": int(tokens),
                         "tokens_per_s": int(tokens) / elapsed, "lr": lr}
-                log.write(json.dumps(last) + "\n")
-                log.flush()
-                epoch = after.epoch
-                data_state = after
-                if step >= limit:
+                log.write(last)
+                epoch, data_state = after.epoch, after
+                progress.update(step=step, epoch=last["epoch"], epochs=cfg.epochs, loss=last["loss"],
+                                acc_k=last["acc_k"], acceptance_length=last["acceptance_length"],
+                                tokens_per_s=last["tokens_per_s"])
+                asked = stop["stop"] or bool(stop_file and os.path.exists(stop_file))
+                stopping = all_reduce(torch.tensor(int(asked), device=device)).item() > 0
+                if step >= plan.limit:
                     break
+                if stopping:
+                    checkpoint(step, data_state)
+                    progress.update("stopped", f"stopped on request at step {step}; rerun to continue",
+                                    force=True)
+                    raise StopRequested(f"stopped on request at step {step} of {plan.limit}; checkpoint saved, "
+                                        "rerun to continue")
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                    checkpoint(step, after)
-        checkpoint(step, data_state)
+                    checkpoint(step, data_state)
+            checkpoint(step, data_state)
 
-    drafter_dir = out_dir / DRAFTER_DIR
-    if rank == 0:
-        state_dict = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        if drafter_config.target_hidden_size == drafter_config.hidden_size:
-            state_dict.pop("embed_tokens.weight")
-        export_cfg = {**asdict(drafter_config), "dtype": cfg.dtype}
-        export.export_sglang(state_dict, export_cfg, data.manifest, drafter_dir,
-                             target_model_type_override=target_config.get("model_type"))
-    return {"steps": step, "total_steps": total, "resumed_from": str(resumed_from) if resumed_from else None,
-            "last": last, "drafter_dir": str(drafter_dir), "draft_vocab_size": draft_size,
-            "draft_vocab_coverage": vocab.coverage, "config": {f.name: getattr(cfg, f.name) for f in fields(cfg)}}
+        final_state, _ = full_state(runner.module, optimizer)
+        summary = {"steps": step, "total_steps": plan.total, "limit_steps": plan.limit,
+                   "resumed_from": str(resumed_from) if resumed_from else None, "last": last, "eval": evaluation,
+                   "drafter_dir": str(out_dir / DRAFTER_DIR), "draft_vocab_size": drafter_config.draft_vocab_size,
+                   "draft_vocab_coverage": vocab.coverage, "world": world, "device": str(device),
+                   "dtype": plan.dtype, "fingerprint": plan.fingerprint,
+                   "config": {f.name: getattr(cfg, f.name) for f in fields(cfg)}}
+        if rank == 0:
+            summary.update(_export(plan, final_state))
+            if cfg.charts:
+                summary["charts"] = write_charts(out_dir)
+            atomic_write_text(out_dir / TRAINING_FILE, json.dumps(summary, indent=1) + "\n")
+            progress.update("done", f"drafter exported to {out_dir / DRAFTER_DIR}", force=True, step=step)
+        return summary
+    except StopRequested:
+        raise
+    except Exception as exc:
+        progress.update("failed", f"{type(exc).__name__}: {exc}", force=True)
+        raise
+    finally:
+        log.close()
+
+
+def _export(plan: Plan, model_state: dict) -> dict:
+    """The SGLang export, and the speculators form when the drafter fits it; what was written."""
+    state_dict = {k: v.detach().cpu() for k, v in model_state.items()}
+    if plan.drafter_config.target_hidden_size == plan.drafter_config.hidden_size:
+        state_dict.pop("embed_tokens.weight", None)  # SGLang takes the target's own
+    export_cfg = {**asdict(plan.drafter_config), "dtype": plan.dtype}
+    model_type = plan.target_config.get("model_type")
+    drafter = export.export_sglang(state_dict, export_cfg, plan.data.manifest, plan.out_dir / DRAFTER_DIR,
+                                   target_model_type_override=model_type)
+    result = {"drafter_dir": str(drafter), "speculators_dir": None, "speculators_note": None}
+    try:
+        result["speculators_dir"] = str(export.export_speculators(
+            state_dict, export_cfg, plan.data.manifest, plan.out_dir / SPECULATORS_DIR,
+            target_model_type_override=model_type))
+    except export.ExportError as exc:
+        result["speculators_note"] = f"no speculators form: {exc}"
+        print(f"eagle3 train: {result['speculators_note']}", flush=True)
+    return result

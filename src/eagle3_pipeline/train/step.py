@@ -1,0 +1,227 @@
+"""One training step over a packed batch: what the trainer runs and ``bench/training.py`` measures.
+
+``StepRunner`` holds the drafter (wrapped for DDP or FSDP when several processes train), the
+target's ``lm_head`` for the teacher, and the precision policy:
+
+- ``float32``: everything in fp32 (the CPU default; exact, for the resume and DDP equality tests);
+- ``bfloat16``: fp32 master weights, the forward and backward in bf16 (weights cast once per forward,
+  as autocast does); the optimizer updates the fp32 weights.
+
+On CUDA in bfloat16 (``attention="auto"``) the step takes the fused path, the same function as the
+reference (masked SDPA, autocast, ``ttt_loss``) computed fast and light:
+
+- ``Eagle3Drafter.forward_fused``: flash attention over the step-0 prefix merged through the
+  log-sum-exp with each row's own keys of steps 1..k (O(T) memory, not O(T * K*T)), [q;k;v] and
+  [gate;up] as single matmuls, the pointwise parts ``torch.compile``d, and the MLP's [T, 2I] gate/up
+  output recomputed in the backward for the first ``mlp_recompute_steps`` steps instead of kept;
+- ``fused_ttt_loss``: lm_head + soft CE with the gradients computed in the forward, so no [T, D]
+  float32 tensor per step is kept; the teacher keeps only the draft-vocabulary logits in bf16;
+- the frozen ``embed_tokens`` lives in pinned host memory in bf16 (``keep_embeddings_on_host``):
+  the batch's rows are gathered there and copied over (2.1 GB of GPU memory less at 128256 x 4096);
+- the previous step's gradients are freed before the forward, and a CUDA AdamW runs its fused kernel
+  (the same update without the foreach implementation's full-size temporaries).
+
+The CPU (and ``float32``) path is the reference, unchanged: exact fp32, what the resume and DDP
+equality tests check. FSDP keeps the reference path too (the fused loss reads the lm_head weight
+directly, which FSDP shards outside the lm_head's own forward).
+
+The loss of each TTT step is divided by the global count of its masked rows divided by the
+number of processes (``denominators``), so that DDP's average of the per-process gradients is
+the gradient of the global mean: two processes on halves of a batch step exactly as one process
+on the whole batch (up to float rounding).
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from eagle3_pipeline.train.data import PackedBatch
+from eagle3_pipeline.train.model import (
+    Eagle3Drafter,
+    TeacherTargets,
+    TTTLoss,
+    TTTMetrics,
+    fused_kernels,
+    fused_ttt_loss,
+    teacher_targets,
+    ttt_loss,
+    ttt_metrics,
+    ttt_metrics_from_argmax,
+)
+
+PARALLEL_MODES = ("ddp", "fsdp")
+ATTENTION_CHOICES = ("auto", "sdpa", "fused")
+EMBEDDING_PLACES = ("auto", "device", "host")
+# Fused path: TTT steps whose MLP gate/up output is recomputed in the backward. 5 of 7 keeps a
+# Llama-3.1-8B-shaped drafter (2048 tokens) at 8.91 GiB peak allocated on an H200 (7: 8.69 GiB, 4: 9.02 GiB).
+DEFAULT_MLP_RECOMPUTE = 5
+
+
+def distributed() -> bool:
+    """A process group is up (torchrun with more than one process, or a test's group)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum ``tensor`` over the processes, in place (a no-op for one process)."""
+    if distributed():
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def step_counts(teacher: TeacherTargets, steps: int) -> torch.Tensor:
+    """Masked rows per TTT step [K], as ``ttt_loss`` counts them."""
+    length = teacher.logits.shape[1]
+    return torch.stack([teacher.position_mask(k)[:, :max(length - 1 - k, 0)].sum() for k in range(steps)])
+
+
+def wrap(model: Eagle3Drafter, device: torch.device, parallel: str) -> nn.Module:
+    """The module the training forward goes through: the drafter itself, or its DDP / FSDP wrapper."""
+    if parallel not in PARALLEL_MODES:
+        raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {parallel!r}")
+    if not distributed():
+        return model
+    if parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+        # lm_head is called as a module (its own unit: gathered, then freed); the midlayer's
+        # pieces are called as methods, which FSDP's hooks do not see, so they go with the root.
+        fully_shard(model.lm_head)
+        return fully_shard(model)
+    ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
+    # Buffers (d2t, t2d, RoPE frequencies) never change: no broadcast on every forward.
+    with warnings.catch_warnings():  # torch 2.13 renames the option; 2.11 (the GPU machine's) has only this one
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+
+
+class StepRunner:
+    """Teacher, forward, loss and metrics of one packed batch, and the optimizer step on it.
+
+    Options beyond the trainer's (defaults suit it): ``attention`` ("auto": fused on CUDA in bfloat16
+    unless FSDP, else the reference "sdpa"), ``compile`` (torch.compile the fused path's pointwise
+    parts; default on CUDA), ``mlp_recompute_steps`` (fused path: steps whose MLP gate/up output is
+    recomputed in the backward; default ``DEFAULT_MLP_RECOMPUTE``, which keeps a Llama-3.1-8B-shaped
+    drafter at TTT 7 and 2048 tokens within 9 GiB), ``embeddings`` ("auto": on the host with the fused
+    path on CUDA when ``embed_tokens`` is frozen, else on the device).
+    """
+
+    def __init__(self, model: Eagle3Drafter, lm_head: torch.Tensor, *, ttt_length: int, device: torch.device,
+                 dtype: str = "float32", parallel: str = "ddp", attention: str = "auto", compile: bool | None = None,
+                 mlp_recompute_steps: int | None = None, embeddings: str = "auto"):
+        if attention not in ATTENTION_CHOICES:
+            raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {attention!r}")
+        if embeddings not in EMBEDDING_PLACES:
+            raise ValueError(f"embeddings must be one of {EMBEDDING_PLACES}, got {embeddings!r}")
+        sharded = distributed() and parallel == "fsdp"
+        if attention == "fused" and sharded:
+            raise ValueError("attention 'fused' does not run under FSDP (use parallel 'ddp' or attention 'sdpa')")
+        self.model = model
+        self.lm_head = lm_head
+        self.ttt_length = ttt_length
+        self.device = device
+        self.dtype = dtype
+        if attention == "auto":
+            attention = "fused" if device.type == "cuda" and dtype == "bfloat16" and not sharded else "sdpa"
+        self.attention = attention
+        self.compile = (device.type == "cuda") if compile is None else compile
+        self.mlp_recompute_steps = DEFAULT_MLP_RECOMPUTE if mlp_recompute_steps is None else mlp_recompute_steps
+        trained_embeddings = model.embed_tokens.weight.requires_grad  # a drafter wider or narrower than its target
+        if embeddings == "auto":
+            host = attention == "fused" and device.type == "cuda" and not trained_embeddings
+            embeddings = "host" if host else "device"
+        if embeddings == "host":
+            if trained_embeddings or attention != "fused":
+                raise ValueError("embeddings 'host' needs attention 'fused' and a frozen embed_tokens")
+            model.keep_embeddings_on_host(torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+        self.embeddings = embeddings
+        self.module = wrap(model, device, parallel)
+        self.world = dist.get_world_size() if distributed() else 1
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.dtype == "bfloat16" else torch.float32
+
+    def autocast(self):
+        if self.dtype != "bfloat16":
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    def teacher(self, batch: PackedBatch) -> TeacherTargets:
+        return teacher_targets(batch.last_hidden[None], self.lm_head, self.model.t2d, self.model.d2t,
+                               batch.loss_mask[None], batch.doc_ids[None])
+
+    def forward(self, batch: PackedBatch, *, training: bool = True,
+                denominators: torch.Tensor | None = None) -> tuple[TTTLoss, TTTMetrics]:
+        """(loss, metrics) of one batch. ``training``: through the DDP/FSDP wrapper, with the global
+        denominators (a collective: every process must call it); else the local model, each step's
+        CE summed (``denominators`` of ones) unless given."""
+        fused = self.attention == "fused"
+        token_embeds = None
+        if fused and self.embeddings == "host":
+            # Gathered from the batch's host ids before anything waits on the device.
+            token_embeds = self.model.token_embeddings(batch.input_ids[None], self.ttt_length, self.device,
+                                                       self.compute_dtype)
+        batch = batch.to(self.device, non_blocking=True)
+        teacher = self.teacher(batch)
+        if denominators is None:
+            if training:
+                global_counts = all_reduce(step_counts(teacher, self.ttt_length).float())
+                denominators = global_counts / self.world
+            else:
+                denominators = torch.ones(self.ttt_length, device=self.device)
+        module = self.module if training else self.model
+        inputs = (batch.input_ids[None], batch.aux_hidden[None], batch.position_ids[None], self.ttt_length,
+                  batch.doc_ids[None])
+        if fused:
+            hidden = module(*inputs, attention="fused", compute_dtype=self.compute_dtype, token_embeds=token_embeds,
+                            mlp_recompute_steps=self.mlp_recompute_steps, compile=self.compile, head=False)
+            kernels = fused_kernels(self.model.config, self.compile)
+            loss, top = fused_ttt_loss(hidden, self.model.lm_head.weight, teacher, denominators=denominators,
+                                       kernels=kernels)
+            return loss, ttt_metrics_from_argmax(top, teacher)
+        with self.autocast():
+            logits = module(*inputs)
+        return ttt_loss(logits, teacher, denominators=denominators), ttt_metrics(logits, teacher)
+
+    def train_step(self, batch: PackedBatch, optimizer: torch.optim.Optimizer, lr: float,
+                   grad_clip: float) -> tuple[TTTLoss, TTTMetrics]:
+        """Forward, backward, clip, update; the batch's (loss, metrics)."""
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        if self.device.type == "cuda":
+            use_fused_adamw(optimizer)
+        # Before the forward, so that the last step's gradients are not held through this one's.
+        optimizer.zero_grad(set_to_none=True)
+        loss, metrics = self.forward(batch)
+        loss.loss.backward()
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], grad_clip)
+        optimizer.step()
+        return loss, metrics
+
+
+
+def use_fused_adamw(optimizer: torch.optim.Optimizer) -> None:
+    """Switch a torch Adam/AdamW whose parameters are all float CUDA tensors to its fused kernel.
+
+    The same update as the default foreach implementation, which allocates temporaries the size
+    of all parameters (1.7 GB for a 425M-parameter drafter) at every step.
+    """
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return
+    for group in optimizer.param_groups:
+        if group.get("fused") or group.get("differentiable"):
+            continue
+        if not all(p.is_cuda and p.is_floating_point() for p in group["params"]):
+            continue
+        group["fused"], group["foreach"] = True, False
+        for p in group["params"]:  # a resumed state's step counters are CPU tensors; the fused kernel wants them here
+            state = optimizer.state.get(p)
+            if state and "step" in state and state["step"].device != p.device:
+                state["step"] = state["step"].to(p.device, torch.float32)

@@ -1,0 +1,325 @@
+"""playbooks/train.yml through ansible-runner, on a real extraction of the embedded tiny model.
+
+The data is made once for the module as the pipeline makes it: a reference server on the tiny
+model (CPU), the demo conversations, ``eagle3-pipeline extract``. Each test then runs the
+playbook (gpu_reset, then eagle_training) on localhost (inventory/local.yml, no GPU needed)
+with small settings, so that a training takes seconds; the training jobs run under the
+project's supervisor and are stopped when the test ends, whatever happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.request import urlopen
+
+import ansible_runner
+import pytest
+import yaml
+from runner_runs import ROOT, run_project_playbook
+from safetensors import safe_open
+
+from eagle3_pipeline.cli import runner_path
+from eagle3_pipeline.models.tiny import build_tiny_model
+
+PLAYBOOK = ROOT / "playbooks" / "train.yml"
+INVENTORY = ROOT / "inventory" / "local.yml"
+CLI = [sys.executable, "-m", "eagle3_pipeline.cli"]
+SERVER_READY_S = 120.0
+NUM_SAMPLES = 40
+DRAFT_VOCAB = 512
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> Path:
+    """The embedded tiny model (built once, about 2 min on 2 cores; cached in .cache/)."""
+    return build_tiny_model(ROOT / ".cache" / "models" / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tiny_model, tmp_path_factory) -> Path:
+    """40 demo conversations extracted through a reference server on the tiny model (read-only for the tests)."""
+    work = tmp_path_factory.mktemp("extraction")
+    port = free_port()
+    log = open(work / "server.log", "wb")  # noqa: SIM115 - closed with the process
+    server = subprocess.Popen(
+        [*CLI, "serve-reference", "--model-path", str(tiny_model), "--host", "127.0.0.1", "--port", str(port),
+         "--capture-dir", str(work / "capture"), "--aux-layers", "0,1,2", "--device", "cpu"],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+    )  # fmt: skip
+    log.close()
+    try:
+        deadline = time.monotonic() + SERVER_READY_S
+        while True:
+            assert server.poll() is None, (work / "server.log").read_text()
+            try:
+                with urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"server not ready within {SERVER_READY_S} s"
+            time.sleep(0.2)
+        dataset = work / "train.jsonl"
+        subprocess.run([*CLI, "demo-dataset", "--output", str(dataset)], check=True, capture_output=True, timeout=120)
+        extracted = subprocess.run(
+            [*CLI, "extract", "--dataset", str(dataset), "--output-dir", str(work / "data"),
+             "--server-url", f"http://127.0.0.1:{port}", "--num-samples", str(NUM_SAMPLES), "--quiet"],
+            capture_output=True, text=True, timeout=600, check=False,
+        )  # fmt: skip
+        assert extracted.returncode == 0, extracted.stderr
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)  # not reaped yet: the PID (its group) cannot be reused
+        server.wait(timeout=30)
+    return work / "data"
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    """Output and state directories; jobs left running in the state directory are stopped."""
+    yield tmp_path
+    for record in (tmp_path / "jobs").glob("*.json"):
+        subprocess.run([*CLI, "supervise", "--name", record.stem, "--state-dir", str(record.parent),
+                        "--grace-s", "5", "stop"], capture_output=True, timeout=60, check=False)
+
+
+def training_vars(data_dir: Path, workdir: Path, **overrides) -> dict:
+    """Small settings: a 3-step TTT on 256-token batches, 20 % held out, a checkpoint every 2 steps."""
+    return {
+        "eagle_training_data_dir": str(data_dir),
+        "eagle_training_output_dir": str(workdir / "drafter-run"),
+        "eagle_training_state_dir": str(workdir / "jobs"),
+        "eagle_training_device": "cpu",
+        "eagle_training_draft_vocab_size": DRAFT_VOCAB,
+        "eagle_training_ttt_length": 3,
+        "eagle_training_batch_tokens": 256,
+        "eagle_training_eval_ratio": 0.2,
+        "eagle_training_checkpoint_every": 2,
+        "eagle_training_max_steps": 6,
+        "eagle_training_lr": 1e-3,
+        "eagle_training_poll_interval": 1,
+        "eagle_training_timeout": 600,
+        **overrides,
+    }
+
+
+class Run:
+    """One ansible-runner run of the playbook: status, stats, events, stdout."""
+
+    def __init__(self, runner):
+        self.status = runner.status
+        self.stats = runner.stats or {}
+        self.events = list(runner.events)
+        self.stdout = runner.stdout.read()
+
+    def changed(self, host: str = "localhost") -> int:
+        return self.stats.get("changed", {}).get(host, 0)
+
+    def changed_tasks(self) -> list[str]:
+        return [e["event_data"]["task"] for e in self.events
+                if e.get("event") == "runner_on_ok" and e["event_data"]["res"].get("changed")]
+
+    def failures(self) -> list[dict]:
+        return [e["event_data"] for e in self.events if e.get("event") == "runner_on_failed"]
+
+    def summary(self) -> str:
+        shown = [e["event_data"]["res"]["msg"] for e in self.events
+                 if e.get("event") == "runner_on_ok" and e["event_data"]["task"] == "Show the training"]
+        assert len(shown) == 1, self.stdout
+        return "\n".join(shown[0])
+
+
+def run_playbook(tmp_path_factory, extravars: dict, check: bool = False) -> Run:
+    return Run(run_project_playbook(tmp_path_factory.mktemp("runner"), PLAYBOOK, INVENTORY, extravars, check))
+
+
+def snapshot(*directories: Path) -> dict[str, int]:
+    """{path: mtime in ns} of every file below the directories."""
+    return {str(p): p.stat().st_mtime_ns for d in directories for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def metric_records(out: Path, kind: str) -> list[dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [record for record in map(json.loads, lines) if record["kind"] == kind]
+
+
+def test_check_mode_starts_nothing_then_a_run_trains_the_drafter_and_a_rerun_changes_nothing(
+    data_dir, workdir, tmp_path_factory, tiny_model
+):
+    extravars = training_vars(data_dir, workdir)
+    out = workdir / "drafter-run"
+
+    checked = run_playbook(tmp_path_factory, extravars, check=True)
+
+    assert checked.status == "successful", checked.stdout
+    assert re.search(r"localhost: would start the training: 6 steps of a \d+-step schedule, from the start",
+                     checked.summary()), checked.summary()
+    assert not out.exists() and not (workdir / "jobs").exists(), "check mode wrote something"
+
+    first = run_playbook(tmp_path_factory, extravars)
+
+    assert first.status == "successful", first.stdout
+    assert "[localhost] step 6/6 (epoch " in first.stdout and ": done in " in first.stdout, "no final progress line"
+    config = json.loads((out / "drafter" / "config.json").read_text())
+    target_vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["draft_vocab_size"] == DRAFT_VOCAB < target_vocab
+    with safe_open(str(out / "drafter" / "model.safetensors"), "pt") as weights:
+        assert weights.get_slice("d2t").get_shape() == [DRAFT_VOCAB]
+        assert weights.get_slice("t2d").get_shape() == [target_vocab]
+        assert int(weights.get_tensor("t2d").sum()) == DRAFT_VOCAB, "t2d must mark exactly the draft tokens"
+    train = metric_records(out, "train")
+    assert [record["step"] for record in train] == [1, 2, 3, 4, 5, 6]
+    assert all(len(record["acc_k"]) == 3 and record["loss"] > 0 for record in train)
+    assert [record["step"] for record in metric_records(out, "eval")] == [2, 4, 6]
+    assert json.loads((out / "progress.json").read_text())["state"] == "done"
+    assert (out / "training.json").is_file() and list((out / "charts").glob("*.png"))
+    summary = first.summary()
+    assert f"drafter: {out}/drafter (LlamaForCausalLMEagle3, draft vocabulary {DRAFT_VOCAB} of {target_vocab}" \
+        in summary
+    assert "steps: 6 of 6 (eagle_training_max_steps stopped a " in summary
+    assert re.search(r"held-out \(step 6, \d+ samples\): loss [0-9.]+, acc per position [0-9.]+/[0-9.]+/[0-9.]+, "
+                     r"acceptance length [0-9.]+", summary), summary
+    assert "training (step 6): loss " in summary
+    assert f"charts: {out}/charts/" in summary
+    before = snapshot(out, workdir / "jobs")
+
+    second = run_playbook(tmp_path_factory, extravars)
+
+    assert second.status == "successful", second.stdout
+    assert second.changed() == 0, second.changed_tasks()
+    assert "already complete for this data and these settings: nothing was started" in second.summary()
+    assert snapshot(out, workdir / "jobs") == before, "a rerun over a finished training touched files"
+
+
+def test_a_draft_vocabulary_larger_than_the_targets_fails_with_the_commands_message(
+    data_dir, workdir, tmp_path_factory
+):
+    run = run_playbook(tmp_path_factory, training_vars(data_dir, workdir, eagle_training_draft_vocab_size=5000))
+
+    assert run.status == "failed", run.stdout
+    failed = run.failures()
+    assert [f["task"] for f in failed] == ["Fail when the training cannot run as set"], run.stdout
+    assert ("localhost: eagle3-pipeline train --check refused: eagle_training_draft_vocab_size=5000 is larger than "
+            "the target's vocabulary (4096 tokens)") in failed[0]["res"]["msg"]
+    assert not (workdir / "jobs").exists() and not (workdir / "drafter-run").exists(), "something was started"
+
+
+def test_a_killed_job_fails_the_play_at_once_and_a_rerun_resumes_from_its_checkpoint(
+    data_dir, workdir, tmp_path_factory
+):
+    out = workdir / "drafter-run"
+    # 32 training samples in 256-token batches make about 10 steps an epoch: two epochs hold 12 steps.
+    extravars = training_vars(data_dir, workdir, eagle_training_epochs=2, eagle_training_max_steps=12,
+                              eagle_training_poll_interval=30)
+    thread, runner = ansible_runner.run_async(
+        private_data_dir=str(tmp_path_factory.mktemp("runner")), playbook=str(PLAYBOOK), inventory=str(INVENTORY),
+        extravars=extravars, quiet=True,
+        envvars={"ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "PATH": runner_path(), "ANSIBLE_NOCOLOR": "1"},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "checkpoints" / "step-2").is_dir():
+            assert thread.is_alive(), runner.stdout.read()
+            assert time.monotonic() < deadline, "no checkpoint within 300 s"
+            time.sleep(0.1)
+        (record,) = [json.loads(p.read_text()) for p in (workdir / "jobs").glob("*.json")]
+        os.kill(record["pid"], signal.SIGKILL)
+        killed_at = time.monotonic()
+    finally:
+        thread.join(timeout=600)
+    killed = Run(runner)
+
+    assert killed.status == "failed", killed.stdout
+    (failure,) = killed.failures()
+    assert failure["task"] == "Wait for the training, showing its progress every eagle_training_poll_interval seconds"
+    message = failure["res"]["msg"]
+    assert f"the training job {record['name']} was killed by SIGKILL" in message
+    assert "the training resumes from its last checkpoint" in message
+    assert f"Last lines of {record['log_file']}:" in message and "supervisor: " in message
+    assert failure["res"]["seconds"] < 25, "a dead job must fail the poll at once, not after the poll interval"
+    assert time.monotonic() - killed_at < 60
+    stopped_at = max(int(p.name.split("-")[1]) for p in (out / "checkpoints").glob("step-*"))
+
+    resumed = run_playbook(tmp_path_factory, {**extravars, "eagle_training_poll_interval": 1})
+
+    assert resumed.status == "successful", resumed.stdout
+    assert f"trained, resumed at step {stopped_at}: step 12/12" in resumed.summary()
+    assert [record["step"] for record in metric_records(out, "train")] == list(range(1, 13)), (
+        "metrics.jsonl must hold each step once after the resume"
+    )
+
+
+def two_node_inventory(workdir: Path, data_dir: Path, **host_vars) -> Path:
+    """Two host aliases of this machine (node-a, node-b), each running its own job: two torchrun nodes."""
+    inventory = workdir / "inventory.yml"
+    hosts = {name: {"ansible_host": "127.0.0.1", **host_vars.get(name, {})} for name in ("node-a", "node-b")}
+    inventory.write_text(yaml.safe_dump({"all": {"children": {"gpu_hosts": {
+        "hosts": hosts,
+        "vars": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
+                 "gpu_reset_required": False, "sglang_server_venv": str(Path(sys.executable).parents[1]),
+                 # Two processes share each epoch's batches: three epochs hold the 6 steps.
+                 **training_vars(data_dir, workdir, eagle_training_master_port=free_port(), eagle_training_epochs=3)},
+    }}}}))
+    return inventory
+
+
+def test_two_hosts_train_one_drafter_together_as_two_torchrun_nodes(data_dir, workdir, tmp_path_factory):
+    out = workdir / "drafter-run"
+    inventory = two_node_inventory(workdir, data_dir)
+
+    run = Run(run_project_playbook(tmp_path_factory.mktemp("runner"), PLAYBOOK, inventory, {}))
+
+    assert run.status == "successful", run.stdout
+    records = {record["name"]: record
+               for record in (json.loads(path.read_text()) for path in (workdir / "jobs").glob("*.json"))}
+    assert sorted(name.rsplit("-node-", 1)[1] for name in records) == ["0-of-2", "1-of-2"]
+    for name, record in records.items():
+        rank = name.rsplit("-node-", 1)[1].split("-")[0]
+        argv = " ".join(record["argv"])
+        assert f"--nnodes 2 --node-rank {rank} --master-addr 127.0.0.1" in argv, argv
+        assert record["exit_code"] == 0
+    assert "[node-a] node 0/2: step 6/6" in run.stdout and "[node-b] node 1/2: " in run.stdout
+    assert [record["step"] for record in metric_records(out, "train")] == [1, 2, 3, 4, 5, 6]
+    assert json.loads((out / "drafter" / "config.json").read_text())["draft_vocab_size"] == DRAFT_VOCAB
+    assert "trained on 2 nodes: node 0/2: step 6/6" in run.summary()
+    assert not (out / ".eagle3-shared-check").exists(), "the shared-directory marker was left behind"
+
+    again = Run(run_project_playbook(tmp_path_factory.mktemp("runner"), PLAYBOOK, inventory, {}))
+
+    assert again.status == "successful", again.stdout
+    assert not again.changed("node-a") and not again.changed("node-b"), again.stdout
+    assert "already complete for this data and these settings: nothing was started" in again.summary()
+
+
+def test_nodes_that_do_not_share_the_output_directory_fail_before_training(data_dir, workdir, tmp_path_factory):
+    # Two directories stand in for two hosts' local disks.
+    inventory = two_node_inventory(workdir, data_dir, **{
+        name: {"eagle_training_output_dir": str(workdir / f"local-{name}")} for name in ("node-a", "node-b")
+    })
+
+    run = Run(run_project_playbook(tmp_path_factory.mktemp("runner"), PLAYBOOK, inventory, {}))
+
+    assert run.status == "failed", run.stdout
+    failed = run.failures()
+    assert [(f["host"], f["task"]) for f in failed] == [
+        ("node-b", "Fail when a node does not share the output directory")
+    ], run.stdout
+    message = failed[0]["res"]["msg"]
+    assert f"eagle_training_output_dir {workdir / 'local-node-b'} is not the directory that node-a" in message
+    assert "is missing here" in message and "shared filesystem" in message
+    assert not (workdir / "jobs").exists(), "a job was started"
+    assert not (workdir / "local-node-a" / ".eagle3-shared-check").exists(), "the marker was left behind"

@@ -1,0 +1,109 @@
+"""StepRunner: the fused path against the reference on the CPU, the host-side embeddings, the fused
+AdamW switch, and ``bench/training.py --tiny`` (so that the benchmark cannot rot)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3_pipeline.train.data import PackedBatch
+from eagle3_pipeline.train.model import DrafterConfig, Eagle3Drafter
+from eagle3_pipeline.train.step import StepRunner, use_fused_adamw
+
+ROOT = Path(__file__).resolve().parents[2]
+TARGET = {"hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 24,
+          "vocab_size": 40, "rms_norm_eps": 1e-6, "max_position_embeddings": 128}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def drafter(seed: int = 0) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    model = Eagle3Drafter(DrafterConfig.from_target(TARGET, 3, 24))
+    torch.nn.init.normal_(model.embed_tokens.weight)
+    return model
+
+
+def batch(seed: int = 1) -> PackedBatch:
+    generator = torch.Generator().manual_seed(seed)
+    doc_ids = torch.tensor([0] * 7 + [1] * 5)
+    return PackedBatch(input_ids=torch.randint(0, 40, (12,), generator=generator),
+                       loss_mask=torch.rand(12, generator=generator) > 0.2,
+                       aux_hidden=torch.randn(12, 48, generator=generator),
+                       last_hidden=torch.randn(12, 16, generator=generator),
+                       doc_ids=doc_ids, position_ids=torch.tensor(list(range(7)) + list(range(5))))
+
+
+def test_the_runner_picks_the_reference_on_the_cpu_and_refuses_unknown_choices():
+    runner = StepRunner(drafter(), torch.randn(40, 16), ttt_length=3, device=torch.device("cpu"))
+    assert (runner.attention, runner.embeddings, runner.compile) == ("sdpa", "device", False)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        StepRunner(drafter(), torch.randn(40, 16), ttt_length=3, device=torch.device("cpu"), attention="flash")
+
+
+def test_fused_train_steps_follow_the_reference_steps():
+    head = torch.randn(40, 16)
+    runs = {}
+    for attention in ("sdpa", "fused"):
+        model = drafter()
+        runner = StepRunner(model, head, ttt_length=3, device=torch.device("cpu"), attention=attention,
+                            mlp_recompute_steps=1)
+        # SGD: Adam would divide float32 rounding noise in near-zero gradients by its own size.
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        losses = [float(runner.train_step(batch(seed), optimizer, 0.1, 1.0)[0].loss.detach()) for seed in range(3)]
+        runs[attention] = (losses, [p.detach().clone() for p in model.parameters() if p.requires_grad])
+    assert runs["fused"][0] == pytest.approx(runs["sdpa"][0], rel=1e-5)
+    for a, b in zip(runs["fused"][1], runs["sdpa"][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_host_embeddings_give_the_same_rows_and_the_same_loss():
+    head = torch.randn(40, 16)
+    on_device = StepRunner(drafter(), head, ttt_length=3, device=torch.device("cpu"), attention="fused")
+    on_host = StepRunner(drafter(), head, ttt_length=3, device=torch.device("cpu"), attention="fused",
+                         embeddings="host")
+    assert on_host.model._ddp_params_and_buffers_to_ignore == ["embed_tokens.weight"]
+    ids = batch().input_ids[None]
+    rows = on_host.model.token_embeddings(ids, 3)
+    assert rows.shape == (1, 15, 16)
+    torch.testing.assert_close(rows[0, 12:], on_host.model.embed_tokens.weight[[0, 0, 0]])
+    a, _ = on_device.forward(batch(), training=False)
+    b, _ = on_host.forward(batch(), training=False)
+    torch.testing.assert_close(a.step_losses, b.step_losses)
+
+
+def test_trained_embeddings_stay_on_the_device():
+    model = drafter()
+    model.embed_tokens.weight.requires_grad_(True)
+    with pytest.raises(ValueError, match="frozen embed_tokens"):
+        StepRunner(model, torch.randn(40, 16), ttt_length=3, device=torch.device("cpu"), attention="fused",
+                   embeddings="host")
+    runner = StepRunner(model, torch.randn(40, 16), ttt_length=3, device=torch.device("cpu"), attention="fused")
+    assert runner.embeddings == "device"
+    loss, _ = runner.forward(batch())
+    loss.loss.backward()
+    assert model.embed_tokens.weight.grad is not None and model.embed_tokens.weight.grad.abs().sum() > 0
+
+
+def test_fused_adamw_switch_leaves_cpu_optimizers_alone():
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    use_fused_adamw(optimizer)
+    assert not optimizer.param_groups[0]["fused"]
+
+
+def test_the_training_benchmark_runs_tiny_on_the_cpu():
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "training.py"), "--tiny", "--steps", "2",
+                             "--warmup", "1"], capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "ours (sdpa" in result.stdout and "ours (fused" in result.stdout
+    assert "tokens/s" in result.stdout and "MFU" in result.stdout
