@@ -8,7 +8,7 @@ export PATH := $(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: venv venv-sglang demo test lint pytest test-sglang molecule test-gpu clean
+.PHONY: venv venv-sglang demo test lint pytest test-sglang molecule test-gpu clean chromium
 
 $(STAMP): requirements/dev.txt pyproject.toml requirements.yml
 	$(PYTHON) -m venv $(VENV)
@@ -23,25 +23,27 @@ venv: $(STAMP)
 venv-sglang: venv
 	tests/sglang/make_venv.sh
 
-# The main job on the embedded default: free the GPUs, start the capture server (reference
-# engine, tiny model, CPU), extract the demo conversations, stop the server (also on failure),
-# free the GPUs again and train the drafter on the extracted states.
-DEMO_PLAY := $(BIN)/ansible-playbook -i inventory/local.yml
+# The main job on the embedded default (playbooks/site.yml on inventory/local.yml): free the
+# GPUs, start the capture server (reference engine, tiny model, CPU), extract the demo
+# conversations, stop the server (also on failure), free the GPUs again, train the drafter,
+# measure it by speculative decoding on held-out prompts, write the report. All under output/demo.
 demo: venv
-	$(DEMO_PLAY) playbooks/gpu_reset.yml -e gpu_reset_report_dir=$(CURDIR)/output/demo/gpu_reset
-	$(DEMO_PLAY) playbooks/sglang_server.yml
-	$(DEMO_PLAY) playbooks/extract.yml || { $(DEMO_PLAY) playbooks/sglang_server.yml -e sglang_server_state=stopped; exit 1; }
-	$(DEMO_PLAY) playbooks/sglang_server.yml -e sglang_server_state=stopped
-	$(DEMO_PLAY) playbooks/train.yml
-	@echo "GPU report: output/demo/gpu_reset/localhost.json; dataset: output/demo/data (data_config.json)"
-	@echo "drafter: output/demo/drafter-run/drafter (charts/, metrics.jsonl, training.json beside it)"
+	$(BIN)/ansible-playbook -i inventory/local.yml playbooks/site.yml
+	@$(BIN)/python -c 'import json; e = json.load(open("output/demo/evaluation/evaluation.json")); \
+	  print("acceptance length: %.2f (measured: tokens per target forward, %d drafts per step)" % (e["tau"], e["draft_tokens"]))'
+	@echo "report: $(CURDIR)/output/demo/report/index.html"
 
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/yamllint -s .
 	$(BIN)/ansible-lint
 
-pytest: venv
+# Debian's chromium for the report's browser test (tests/integration/test_report_browser.py).
+chromium:
+	@command -v chromium >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
+
+pytest: venv chromium
 	$(BIN)/pytest tests --ignore=tests/gpu --ignore=tests/sglang
 
 test-sglang: venv-sglang

@@ -1,18 +1,14 @@
-"""The ``eagle3-pipeline`` command: runs the project's playbooks through ansible-runner."""
+"""The ``eagle3-pipeline`` command: runs the pipeline's stages (``run``, ``status``) and its steps' commands."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import sysconfig
-import tempfile
 from pathlib import Path
 
 from eagle3_pipeline import __version__, project_root
-
-PLAYBOOKS = {"gpu-reset": "gpu_reset.yml"}
+from eagle3_pipeline.runner import STAGES, runner_path  # noqa: F401 - runner_path: the tests' runs import it here
 
 
 def parse_extravars(pairs: list[str]) -> dict:
@@ -35,41 +31,63 @@ def parse_extravars(pairs: list[str]) -> dict:
     return extravars
 
 
-def runner_path() -> str:
-    """PATH for the playbook run, led by this Python's scripts directory.
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The options of ``run`` (and of its alias ``gpu-reset``): Ansible's, as ansible-playbook spells them."""
+    parser.add_argument("-i", "--inventory", type=Path, default=project_root() / "inventory" / "local.yml",
+                        help="inventory file (default: the embedded inventory/local.yml)")
+    parser.add_argument("-e", "--extra-var", action="append", default=[], metavar="KEY=VALUE",
+                        help="an extra variable; VALUE is read as JSON when it parses (repeatable)")
+    parser.add_argument("--check", action="store_true", help="Ansible's check mode: report what would change")
+    parser.add_argument("-t", "--tags", help="run only the tasks with these tags (comma-separated)")
+    parser.add_argument("--skip-tags", help="skip the tasks with these tags (comma-separated)")
+    parser.add_argument("-l", "--limit", help="run on these hosts only (an Ansible pattern)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="also show skipped tasks and retries")
 
-    ansible-runner looks ``ansible-playbook`` up on PATH; a venv's console script run without
-    activating the venv would otherwise find none (or another installation's).
-    """
-    scripts = sysconfig.get_path("scripts")
-    return os.pathsep.join([scripts, os.environ.get("PATH", os.defpath)])
 
+def run_stage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Run one stage through the Python API with a live progress display; 0 on success."""
+    from eagle3_pipeline.run_display import ProgressDisplay  # noqa: PLC0415
+    from eagle3_pipeline.runner import PipelineError, run  # noqa: PLC0415
 
-def run_playbook(name: str, inventory: Path, extravars: dict, check: bool) -> int:
-    """Run one playbook of the project with ansible-runner, streaming Ansible's output; return its rc."""
+    if not args.inventory.exists():
+        parser.error(f"inventory {args.inventory} does not exist")
+    extravars = parse_extravars(args.extra_var)
+    display = ProgressDisplay(sys.stdout, tty=sys.stdout.isatty(), verbose=args.verbose)
     try:
-        import ansible_runner  # noqa: PLC0415 - only needed for this command
-    except ImportError:
-        raise SystemExit(
-            "error: ansible-runner is not installed; run `make venv` and use .venv/bin/eagle3-pipeline"
-        ) from None
-    root = project_root()
-    envvars = {"ANSIBLE_CONFIG": str(root / "ansible.cfg"), "PATH": runner_path()}
-    if not sys.stdout.isatty():
-        # ansible-runner gives ansible-playbook a pseudo-terminal: colours would land in logs.
-        envvars["ANSIBLE_NOCOLOR"] = "1"
-    with tempfile.TemporaryDirectory(prefix="eagle3-runner-") as private:
-        result = ansible_runner.run(
-            private_data_dir=private,
-            project_dir=str(root),
-            playbook=str(root / "playbooks" / PLAYBOOKS[name]),
-            inventory=str(inventory.resolve()),
-            extravars=extravars,
-            cmdline="--check" if check else None,
-            envvars=envvars,
-            quiet=False,
-        )
-    return 0 if result.status == "successful" else (result.rc or 1)
+        result = run(args.stage, inventory=args.inventory, extravars=extravars, on_event=display, check=args.check,
+                     tags=args.tags, skip_tags=args.skip_tags, limit=args.limit)
+    except PipelineError as exc:
+        display.close()
+        if exc.result is not None:
+            display.finish(args.stage, exc.result.status, args.check, exc.result.paths)
+        print(f"error: {exc}", file=sys.stderr)
+        return (exc.result.rc if exc.result is not None else 0) or 1
+    except (FileNotFoundError, ValueError) as exc:
+        display.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        display.close()
+        print(f"error: stage {args.stage} interrupted; run it again to resume", file=sys.stderr)
+        return 130
+    display.finish(args.stage, result.status, args.check, result.paths)
+    return 0
+
+
+def show_status(args: argparse.Namespace) -> int:
+    """Print each stage's state read from an output directory: 0, or 1 when a stage failed, 2 with no directory."""
+    from eagle3_pipeline.status import FAILED, format_status, pipeline_status, status_document  # noqa: PLC0415
+
+    try:
+        stages = pipeline_status(args.output_dir)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(status_document(args.output_dir), indent=1, sort_keys=True))
+    else:
+        print(format_status(stages))
+    return 1 if any(stage.state == FAILED for stage in stages) else 0
 
 
 # Commands implemented in their own modules, imported only when used (some need torch).
@@ -83,6 +101,8 @@ MODULE_COMMANDS = {
     "progress": ("eagle3_pipeline.extract.commands", "show an extraction's progress", "progress"),
     "train": ("eagle3_pipeline.train.command", "train the EAGLE-3 drafter on extracted hidden states"),
     "train-charts": ("eagle3_pipeline.train.charts", "draw a training run's charts from its metrics.jsonl"),
+    "evaluate": ("eagle3_pipeline.evaluate.command", "measure the drafter by real speculative decoding"),
+    "report": ("eagle3_pipeline.report.command", "write the run's self-contained HTML report"),
     "tiny-model": ("eagle3_pipeline.models.tiny", "build the embedded tiny target model (cached)"),
     "demo-dataset": ("eagle3_pipeline.data.demo_dataset", "write the demo conversations (ShareGPT JSONL)"),
     "serve-reference": ("eagle3_pipeline.engine.reference_server", "run the reference engine's HTTP server"),
@@ -97,10 +117,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eagle3-pipeline", description=__doc__)
     parser.add_argument("--version", action="version", version=f"eagle3-pipeline {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    reset = sub.add_parser("gpu-reset", help="free the GPUs of the inventory's gpu_hosts (playbooks/gpu_reset.yml)")
-    reset.add_argument("-i", "--inventory", type=Path, default=project_root() / "inventory" / "local.yml")
-    reset.add_argument("-e", "--extra-var", action="append", default=[], metavar="KEY=VALUE")
-    reset.add_argument("--check", action="store_true", help="report what would be stopped, signal nothing")
+    run_parser = sub.add_parser("run", help="run a stage of the pipeline (default: site, the whole pipeline)",
+                                description="Run a stage of the pipeline through ansible-runner, showing its progress.")
+    run_parser.add_argument("stage", nargs="?", default="site", choices=list(STAGES),
+                            help="site (everything) or one stage's playbook (default: site)")
+    add_run_options(run_parser)
+    reset = sub.add_parser("gpu-reset", help="free the GPUs of the inventory's gpu_hosts (the same as run gpu-reset)")
+    add_run_options(reset)
+    reset.set_defaults(stage="gpu-reset")
+    status = sub.add_parser("status", help="show where a pipeline run stands, from its output directory")
+    status.add_argument("output_dir", type=Path, help="the pipeline's output directory, e.g. output/demo")
+    status.add_argument("--json", action="store_true", help="print the status as JSON")
     # Only the chosen command's module is imported: the others may need torch, and --help stays fast.
     given = sys.argv[1:] if argv is None else argv
     chosen = next((arg for arg in given if not arg.startswith("-")), None)
@@ -115,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command in modules:
         return modules[args.command](args)
-    if not args.inventory.exists():
-        parser.error(f"inventory {args.inventory} does not exist")
-    return run_playbook(args.command, args.inventory, parse_extravars(args.extra_var), args.check)
+    if args.command == "status":
+        return show_status(args)
+    return run_stage(parser, args)
 
 
 if __name__ == "__main__":

@@ -352,9 +352,25 @@ def test_verify_passes_and_a_rerun_changes_nothing_and_check_says_complete(refer
     assert check.returncode == 0, check.stderr
     assert json.loads(check.stdout) == {
         "part": "0/1", "records": NUM_SAMPLES, "samples": NUM_SAMPLES, "skipped": 0, "stored": NUM_SAMPLES,
-        "todo": 0, "todo_tokens": 0, "estimated_bytes": 0, "complete": True,
+        "todo": 0, "todo_tokens": 0, "estimated_bytes": 0, "complete": True, "offline": False,
     }
     assert snapshot(reference_run) == before
+
+
+def test_the_offline_check_judges_completeness_without_a_server(reference_run, dataset, tiny_model, tmp_path):
+    """site.yml asks this before starting a server: complete for the same model, engine and aux layers only."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    base = [*extract_command(dataset, reference_run, dead), "--check", "--offline", "--engine", "reference",
+            "--model-path", str(tiny_model)]
+    complete = run_cli([*base, "--aux-layers", ",".join(map(str, AUX_LAYERS))])
+    assert complete.returncode == 0, complete.stderr
+    assert json.loads(complete.stdout)["complete"] is True
+    other_layers = json.loads(run_cli([*base, "--aux-layers", "0,1"]).stdout)
+    assert other_layers["complete"] is False and "aux layers [0, 1, 2] -> [0, 1]" in other_layers["reason"]
+    other_engine = json.loads(run_cli([*base[:-4], "--engine", "sglang", "--model-path", str(tiny_model)]).stdout)
+    assert other_engine["complete"] is False and "engine reference -> sglang" in other_engine["reason"]
+    nothing = run_cli([*extract_command(dataset, tmp_path / "none", dead), "--check", "--offline"])
+    assert nothing.returncode == 0 and json.loads(nothing.stdout)["reason"] == "nothing extracted yet"
 
 
 # -- (b) kill -9 at random moments -------------------------------------------------------------

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 
-def read_report(report_dir: Path) -> dict:
-    """The JSON report the role wrote for localhost."""
-    return json.loads((report_dir / "localhost.json").read_text())
+def read_report(report_dir: Path, check: bool = False) -> dict:
+    """The JSON report the role wrote for localhost (a check run's: localhost.check.json)."""
+    return json.loads((report_dir / f"localhost{'.check' if check else ''}.json").read_text())
 
 
 def is_number(value) -> bool:
@@ -35,7 +35,8 @@ def test_check_mode_names_the_holder_and_signals_nothing(tmp_path, device_file, 
     assert holder.alive()
     assert not holder.got_sigterm(), "check mode sent SIGTERM"
     assert f"would stop PID {holder.pid} (" in "\n".join(run.summary())
-    report = read_report(report_dir)
+    assert not (report_dir / "localhost.json").exists(), "a check run must not replace a real run's record"
+    report = read_report(report_dir, check=True)
     assert report["check_mode"] is True
     assert [p["pid"] for p in report["would_stop"]] == [holder.pid]
     assert report["stopped"] == []

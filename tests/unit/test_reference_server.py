@@ -157,10 +157,19 @@ def prompt(length: int, offset: int = 4) -> list[int]:
 def test_default_aux_layers_follow_eagle3_and_refuse_the_last_layer():
     assert default_aux_layers(61) == [1, 29, 57]  # Kimi-K2.5: SGLang captures before [2, 30, 58]
     assert default_aux_layers(32) == [1, 15, 28]
-    assert default_aux_layers(6) == [1, 2, 2]
-    assert default_aux_layers(2) == [0, 0, 0]
+    assert default_aux_layers(8) == [1, 3, 4]
+    # Shallow models: the formula repeats ([1, 2, 2], [1, 1, 0]); three distinct layers instead.
+    assert default_aux_layers(6) == [0, 2, 4]
+    assert default_aux_layers(4) == [0, 1, 2]
+    assert default_aux_layers(3) == [0, 1]
+    assert default_aux_layers(2) == [0]
+    for layers in range(2, 80):
+        chosen = default_aux_layers(layers)
+        assert chosen == sorted(set(chosen)) and check_aux_layers(chosen, layers) == chosen
     with pytest.raises(ValueError, match="out of range.*0..4"):
         check_aux_layers([1, 5], 6)
+    with pytest.raises(ValueError, match="distinct layer indices in ascending order"):
+        check_aux_layers([2, 1], 6)
 
 
 def test_health_needs_no_key_and_health_generate_runs_the_model(server):

@@ -12,9 +12,10 @@ shapes are in ``engine/api.py``.
 Conventions of this engine:
 
 - ``aux_layers`` are 0-based decoder layers whose OUTPUT is captured (HF ``hidden_states[i+1]``);
-  default ``[1, L//2 - 1, L - 4]`` clamped to ``[0, L - 2]`` (the outputs of the layers SGLang's
-  EAGLE-3 default captures before: ``[2, L//2, L - 3]``). For Llama-class models SGLang's
-  ``return_aux_hidden_state_layer_ids`` are the same numbers, which ``/server_info`` reports.
+  default ``[1, L//2 - 1, L - 4]`` (the outputs of the layers SGLang's EAGLE-3 default captures
+  before: ``[2, L//2, L - 3]``; for shallow models, three distinct layers within ``[0, L - 2]``).
+  For Llama-class models SGLang's ``return_aux_hidden_state_layer_ids`` are the same numbers,
+  which ``/server_info`` reports.
 - ``last_hidden_states`` is the decoder's post-norm output (what lm_head reads).
 - ``cached_tokens`` is always 0 (no prefix cache), ``chunked_prefill_size`` -1 (whole prompts).
 - Greedy (temperature 0) is exact; temperature > 0 samples with ``sampling_seed`` when given.
@@ -375,7 +376,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--aux-layers", type=_layer_list, default=None, metavar="I,J,K",
         help="0-based decoder layers whose output is captured (HF hidden_states[i+1]); "
-        "default [1, L//2-1, L-4] clamped to [0, L-2], EAGLE-3's usual choice",
+        "default [1, L//2-1, L-4], EAGLE-3's usual choice (three distinct layers within [0, L-2] for shallow models)",
     )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",

@@ -39,6 +39,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle3_pipeline.checksum import file_sha256
 from eagle3_pipeline.models.config import read_text_config
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_UNREACHABLE, EXIT_STOPPED = 0, 1, 2, 3, 4
@@ -119,7 +120,7 @@ def _log(cfg: ExtractConfig, message: str) -> None:
 
 
 def _sha256_file(path: Path) -> str | None:
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+    return file_sha256(path) if path.is_file() else None
 
 
 def _dtype_name(server_dtype: str | None, config: dict) -> str:
@@ -171,12 +172,13 @@ def sample_key(settings_hash: str, sample_id: str, ids: array, mask: array) -> s
     return digest.hexdigest()
 
 
-def make_plan(cfg: ExtractConfig, client, dry: bool = False) -> Plan:
+def make_plan(cfg: ExtractConfig, client, dry: bool = False, facts=None) -> Plan:
     """Steps 1-3 of the module docstring; raises ``ValueError`` subclasses on bad settings.
 
     The settings are compared with the recorded ones, not recorded (``run_extraction`` does
     that once its checks pass). ``dry``: leave the journal as it is, even a torn last line (a
-    live run may be appending to it).
+    live run may be appending to it). ``facts``: what the server would say (``--check --offline``
+    takes them from the stored settings); default: ask the server.
     """
     from eagle3_pipeline.extract import store  # noqa: PLC0415
     from eagle3_pipeline.extract.client import engine_facts  # noqa: PLC0415
@@ -185,15 +187,15 @@ def make_plan(cfg: ExtractConfig, client, dry: bool = False) -> Plan:
 
     if not cfg.dataset.is_file():
         raise FileNotFoundError(f"dataset {cfg.dataset} does not exist")
-    facts = engine_facts(client.server_info())
+    facts = facts or engine_facts(client.server_info())
     model_path = Path(cfg.model_path or facts.model_path)
     if not (model_path / "config.json").is_file():
         raise FileNotFoundError(
             f"target model {model_path}: no config.json there; the extraction reads the tokenizer and lm_head "
             "from the server's model directory on this host (give --model-path when it lives elsewhere here)"
         )
-    capture_dir = Path(cfg.capture_dir or facts.capture_dir)
-    if not capture_dir.is_dir():
+    capture_dir = Path(cfg.capture_dir or facts.capture_dir or ".")
+    if facts.capture_dir is not None and not capture_dir.is_dir():
         raise FileNotFoundError(
             f"capture directory {capture_dir} does not exist on this host: run the extraction on the server's host"
         )
@@ -696,13 +698,52 @@ def _run_samples(cfg: ExtractConfig, plan: Plan, worker: SampleWorker, progress:
     return EXIT_OK
 
 
-def check_status(cfg: ExtractConfig) -> dict:
-    """``--check``: what a run would do, sending no sample."""
+def offline_facts(cfg: ExtractConfig, engine: str | None, aux_layers: list[int] | None):
+    """(facts, None) from the stored settings for ``--check --offline``, or (None, why not complete).
+
+    The server that would run is described by ``--model-path``, ``--engine`` and ``--aux-layers``;
+    when it differs from the one the data came from, the data is not complete for it.
+    """
+    from eagle3_pipeline.extract import store  # noqa: PLC0415
+    from eagle3_pipeline.extract.client import EngineFacts  # noqa: PLC0415
+
+    try:
+        stored = store.read_settings(cfg.output_dir)
+    except store.StoreError:
+        return None, "nothing extracted yet"
+    differences = []
+    if cfg.model_path and Path(cfg.model_path).resolve() != Path(stored["target_model_path"]).resolve():
+        differences.append(f"model {stored['target_model_path']} -> {cfg.model_path}")
+    if engine and engine != stored["engine"]:
+        differences.append(f"engine {stored['engine']} -> {engine}")
+    if aux_layers is not None and list(aux_layers) != list(stored["aux_layers"]):
+        differences.append(f"aux layers {stored['aux_layers']} -> {aux_layers}")
+    if differences:
+        return None, "the stored data came from another server: " + "; ".join(differences)
+    facts = EngineFacts(stored["engine"], str(stored["engine_version"]), str(stored["target_model_path"]),
+                        [int(i) for i in stored["aux_layers"]], stored.get("engine_layer_ids"), None, stored["dtype"])
+    return facts, None
+
+
+def check_status(cfg: ExtractConfig, offline: bool = False, engine: str | None = None,
+                 aux_layers: list[int] | None = None) -> dict:
+    """``--check``: what a run would do, sending no sample. ``offline``: without the server (see
+    ``offline_facts``); settings that differ from the stored ones make it incomplete, not an error."""
     from eagle3_pipeline.extract import store  # noqa: PLC0415
     from eagle3_pipeline.extract.client import EngineClient  # noqa: PLC0415
 
     client = EngineClient(cfg.server_url, cfg.api_key, cfg.request_timeout_s, cfg.retries)
-    plan = make_plan(cfg, client, dry=True)
+    facts = None
+    if offline:
+        facts, why = offline_facts(cfg, engine, aux_layers)
+        if facts is None:
+            return {"part": f"{cfg.part[0]}/{cfg.part[1]}", "complete": False, "reason": why, "offline": True}
+        try:
+            plan = make_plan(cfg, client, dry=True, facts=facts)
+        except (OSError, ValueError) as exc:
+            return {"part": f"{cfg.part[0]}/{cfg.part[1]}", "complete": False, "reason": str(exc), "offline": True}
+    else:
+        plan = make_plan(cfg, client, dry=True)
     index, count = cfg.part
     manifest = cfg.output_dir / store.PARTS_DIR / f"{store.part_name(index, count)}.json"
     return {
@@ -715,6 +756,7 @@ def check_status(cfg: ExtractConfig) -> dict:
         "todo_tokens": sum(len(p.input_ids) for p in plan.todo),
         "estimated_bytes": estimate_bytes(sum(len(p.input_ids) for p in plan.todo), plan.settings),
         "complete": not plan.todo and manifest.is_file(),
+        "offline": offline,
     }
 
 
@@ -749,6 +791,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retries", type=int, default=5, help="retries of a request on transient failures")
     parser.add_argument("--request-timeout-s", type=float, default=600.0)
     parser.add_argument("--check", action="store_true", help="print what a run would do as JSON; send nothing")
+    parser.add_argument("--offline", action="store_true",
+                        help="with --check: judge from the stored settings, without asking the server (the "
+                        "server that would run: --model-path, --engine, --aux-layers)")
+    parser.add_argument("--engine", choices=["reference", "sglang"], help="with --check --offline: the server's engine")
+    parser.add_argument("--aux-layers", help="with --check --offline: the server's aux layers, comma-separated")
     parser.add_argument("--no-merge", action="store_true", help="do not merge into data_config.json at the end")
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--trust-remote-code", action="store_true",
@@ -800,7 +847,8 @@ def run(args: argparse.Namespace) -> int:
         from eagle3_pipeline.extract.client import ServerUnreachable  # noqa: PLC0415
 
         try:
-            print(json.dumps(check_status(cfg), sort_keys=True))
+            aux = [int(i) for i in args.aux_layers.split(",")] if args.aux_layers else None
+            print(json.dumps(check_status(cfg, args.offline, args.engine, aux), sort_keys=True))
         except ServerUnreachable as exc:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_UNREACHABLE

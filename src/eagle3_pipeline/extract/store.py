@@ -36,6 +36,7 @@ from safetensors import SafetensorError, safe_open
 
 from eagle3_pipeline.atomic import atomic_write, atomic_write_text
 from eagle3_pipeline.capture.writer import save_safetensors
+from eagle3_pipeline.checksum import file_sha256  # noqa: F401 - also this module's public name
 
 FORMAT = "eagle3-pipeline/hidden-states"
 FORMAT_VERSION = 1
@@ -72,15 +73,6 @@ def parse_part(text: str) -> tuple[int, int]:
     if not 0 <= index < count:
         raise ValueError(f"part {text!r}: need 0 <= K < N")
     return index, count
-
-
-def file_sha256(path: Path) -> str:
-    """SHA-256 of a file, read in 8 MiB blocks (hashlib releases the GIL)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(8 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def write_sample(path: Path, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor,

@@ -273,6 +273,26 @@ def check_extra_args(extra_args: Sequence[str]) -> None:
             raise ValueError(f"{token}: use long flags only in sglang_server_extra_args (short options are ambiguous)")
 
 
+def _check_endpoint(tp_size: int, port: int) -> None:
+    if int(tp_size) < 1 or not 0 < int(port) < 65536:
+        raise ValueError(f"tp_size {tp_size} must be >= 1 and port {port} in 1..65535")
+
+
+def _server_head(python: str, model_path: str, host: str, port: int, tp_size: int) -> list[str]:
+    """The start of every launch command: the module, the model, where it listens, its TP size."""
+    return [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", str(host),
+            "--port", str(int(port)), "--tp-size", str(int(tp_size))]
+
+
+def _config_args(api_key_config: str | None) -> list[str]:
+    """``--config PATH`` for the API key's YAML file (SGLang reads --config only from .yaml/.yml), or nothing."""
+    if api_key_config is None:
+        return []
+    if Path(api_key_config).suffix.lower() not in (".yaml", ".yml"):
+        raise ValueError(f"{api_key_config}: SGLang reads --config only from a .yaml/.yml file")
+    return ["--config", str(api_key_config)]
+
+
 def launch_argv(
     python: str,
     model_path: str,
@@ -292,16 +312,11 @@ def launch_argv(
     has no API-key environment variable); the key itself never appears in argv.
     """
     check_extra_args(extra_args)
-    if int(tp_size) < 1 or not 0 < int(port) < 65536:
-        raise ValueError(f"tp_size {tp_size} must be >= 1 and port {port} in 1..65535")
+    _check_endpoint(tp_size, port)
     ids = sglang_layer_ids(aux_layers, model_type, num_hidden_layers)
     spec = hook_spec(capture_dir, aux_layers, ids, model_type)
     argv = [
-        python, "-m", "sglang.launch_server",
-        "--model-path", str(model_path),
-        "--host", str(host),
-        "--port", str(int(port)),
-        "--tp-size", str(int(tp_size)),
+        *_server_head(python, model_path, host, port, tp_size),
         "--disable-radix-cache",
         "--chunked-prefill-size", "-1",
         "--cuda-graph-backend-prefill", "disabled",
@@ -312,10 +327,7 @@ def launch_argv(
         "--return-aux-hidden-state-layer-ids", *(str(i) for i in ids),
         "--forward-hooks", json.dumps([spec], separators=(",", ":")),
     ]  # fmt: skip
-    if api_key_config is not None:
-        if Path(api_key_config).suffix.lower() not in (".yaml", ".yml"):
-            raise ValueError(f"{api_key_config}: SGLang reads --config only from a .yaml/.yml file")
-        argv += ["--config", str(api_key_config)]
+    argv += _config_args(api_key_config)
     return argv + list(extra_args)
 
 
@@ -350,3 +362,80 @@ def expected_server_info(
         "return_aux_hidden_state_layer_ids": ids,
         "forward_hooks": [hook_spec(capture_dir, aux_layers, ids, model_type)],
     }
+
+
+# -- serving the trained drafter (the evaluation stage) ------------------------------------------
+# SGLang 0.5.23's chain defaults (arg_groups/speculative_hook.py ``_auto_choose_speculative_params``
+# returns (steps 3, topk 1, draft tokens 4) for most architectures; with topk 1 ``_handle_eagle_family``
+# forces num_draft_tokens = num_steps + 1).
+DEFAULT_SPECULATIVE_STEPS = 3
+# Flags the speculative launch sets (a user extra may not repeat them), and capture-mode flags that
+# contradict serving a draft model (handle_aux_hidden_state_capture refuses a draft path with them).
+_SPECULATIVE_SET_FLAGS = {
+    "--model-path": "set from the target model path",
+    "--model": "alias of --model-path",
+    "--host": "set (the evaluation server listens on 127.0.0.1 only)",
+    "--port": "set from the evaluation's port",
+    "--tp-size": "set from the tensor-parallel size",
+    "--tensor-parallel-size": "alias of --tp-size",
+    "--config": "used for the API key file; a config file could set any flag unchecked",
+    "--api-key": "would show the key in the process list: give it through the API key file",
+    "--enable-return-aux-hidden-states": "capture mode; SGLang refuses it together with a draft model",
+    "--return-aux-hidden-state-layer-ids": "capture mode; the drafter's config names its layers",
+    "--forward-hooks": "the capture hook has no place in the evaluation server",
+}
+
+
+def check_speculative_extra_args(extra_args: Sequence[str]) -> None:
+    """Refuse extras that repeat a flag of the speculative launch or change its speculative setup (ValueError)."""
+    if isinstance(extra_args, str):
+        raise ValueError("the extra arguments must be a list of argv tokens, not a string")
+    known = [*_SPECULATIVE_SET_FLAGS, "--speculative-"]
+    for token in extra_args:
+        if not isinstance(token, str):
+            raise ValueError(f"extra argument {token!r} is not a string; quote every token")
+        if not token.startswith("--"):
+            if token.startswith("-") and len(token) > 1 and not token[1].isdigit() and token[1] != ".":
+                raise ValueError(f"{token}: use long flags only (short options are ambiguous)")
+            continue
+        flag = _flag_name(token)
+        if flag in _SPECULATIVE_SET_FLAGS:
+            raise ValueError(f"{flag} is set by the evaluation ({_SPECULATIVE_SET_FLAGS[flag]}); remove it")
+        if flag.startswith("--speculative-"):
+            raise ValueError(f"{flag}: the evaluation sets the speculative flags itself (EAGLE3, chain of "
+                             "draft tokens, topk 1); remove it")
+        expands_to = sorted(k for k in known if k.startswith(flag) and k != flag)
+        if expands_to:
+            raise ValueError(f"{flag} is an abbreviation SGLang's argparse may expand to {expands_to[0]}; "
+                             "spell flags in full")
+
+
+def speculative_launch_argv(
+    python: str,
+    model_path: str,
+    drafter_path: str,
+    port: int,
+    tp_size: int = 1,
+    num_steps: int = DEFAULT_SPECULATIVE_STEPS,
+    extra_args: Sequence[str] = (),
+    api_key_config: str | None = None,
+    host: str = "127.0.0.1",
+) -> list[str]:
+    """SGLang serving the target with the trained drafter: EAGLE3, a chain of ``num_steps`` drafts (topk 1,
+    num_steps + 1 tokens verified per forward), as an argv list (no shell). No capture flags: this
+    server decodes; its /generate meta_info carries ``spec_verify_ct`` and the acceptance histogram.
+    """
+    check_speculative_extra_args(extra_args)
+    _check_endpoint(tp_size, port)
+    if int(num_steps) < 1:
+        raise ValueError(f"num_steps {num_steps}: draft at least one token per round")
+    argv = [
+        *_server_head(python, model_path, host, port, tp_size),
+        "--speculative-algorithm", "EAGLE3",
+        "--speculative-draft-model-path", str(drafter_path),
+        "--speculative-num-steps", str(int(num_steps)),
+        "--speculative-eagle-topk", "1",
+        "--speculative-num-draft-tokens", str(int(num_steps) + 1),
+    ]  # fmt: skip
+    argv += _config_args(api_key_config)
+    return argv + list(extra_args)

@@ -49,6 +49,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--data-dir", required=True, help="the extraction's output (data_config.json)")
     add("--output-dir", required=True, help="checkpoints, metrics, charts and the exported drafter")
+    add("--drafter-dir", help="where the SGLang export goes (default: OUTPUT_DIR/drafter); the speculators "
+        "form goes beside it (<name>-speculators)")
     add("--target-model-path", help="the target model directory (default: the one named in data_config.json)")
     add("--draft-vocab-size", type=_positive_int, help="draft vocabulary (default: min(32000, target vocab))")
     add("--ttt-length", type=_positive_int, default=7, help="training-time-test steps")

@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from eagle3_pipeline.atomic import atomic_write_text
-from eagle3_pipeline.extract.store import file_sha256
+from eagle3_pipeline.checksum import file_sha256
 from eagle3_pipeline.extract.verify import load_lm_head
 from eagle3_pipeline.models.config import read_text_config
 from eagle3_pipeline.train import export
@@ -82,7 +82,7 @@ DTYPES = ("float32", "bfloat16")
 SHAPE_OVERRIDES = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size")
 PROGRESS_FILE = "progress.json"
 TRAINING_FILE = "training.json"
-SPECULATORS_DIR = "drafter-speculators"
+SPECULATORS_DIR = "drafter-speculators"  # beside the drafter dir: <drafter dir name>-speculators
 TENSORBOARD_DIR = "tensorboard"
 CHARTS_DIR = "charts"
 # Settings that decide what a finished run exports: the same ones over the same data -> nothing to do.
@@ -125,6 +125,7 @@ class TrainConfig:
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     intermediate_size: int | None = None
+    drafter_dir: str | None = None  # where the SGLang export goes; None: <output_dir>/drafter
     tensorboard: bool = True  # <out>/tensorboard/ when the tensorboard package is installed
     charts: bool = True  # <out>/charts/*.png when matplotlib is installed
 
@@ -411,6 +412,11 @@ class Plan:
     def out_dir(self) -> Path:
         return Path(self.cfg.output_dir)
 
+    @property
+    def drafter_dir(self) -> Path:
+        """The SGLang export: ``drafter_dir``, else ``<output_dir>/drafter``; the speculators form beside it."""
+        return Path(self.cfg.drafter_dir) if self.cfg.drafter_dir else self.out_dir / DRAFTER_DIR
+
     def check_resumable(self, path: Path, document: dict) -> None:
         """Refuse a checkpoint written with settings that change the data order or the model."""
         saved = document.get("fixed", {})
@@ -426,8 +432,8 @@ class Plan:
         if record is not None:
             if record.get("fingerprint") != self.fingerprint:
                 reason = "the output directory's finished run used other data or settings"
-            elif not (self.out_dir / DRAFTER_DIR / "model.safetensors").is_file():
-                reason = f"{self.out_dir / DRAFTER_DIR} is missing"
+            elif not (self.drafter_dir / "model.safetensors").is_file():
+                reason = f"{self.drafter_dir} is missing"
             else:
                 complete, reason = True, "a drafter for these data and settings is already exported"
         newest = next(iter(checkpoint_dirs(self.out_dir)), None) if self.cfg.resume else None
@@ -436,7 +442,7 @@ class Plan:
             if document is not None:
                 self.check_resumable(newest, document)
         return {"complete": complete, "reason": reason, "output_dir": str(self.out_dir),
-                "drafter_dir": str(self.out_dir / DRAFTER_DIR), "total_steps": self.total, "limit_steps": self.limit,
+                "drafter_dir": str(self.drafter_dir), "total_steps": self.total, "limit_steps": self.limit,
                 "resume_step": int(newest.name.removeprefix("step-")) if newest else None,
                 "world": self.world, "device": str(self.device), "dtype": self.dtype,
                 "draft_vocab_size": self.drafter_config.draft_vocab_size, "vocab_size": self.drafter_config.vocab_size,
@@ -741,7 +747,7 @@ def train(cfg: TrainConfig) -> dict:
         final_state, _ = full_state(runner.module, optimizer)
         summary = {"steps": step, "total_steps": plan.total, "limit_steps": plan.limit,
                    "resumed_from": str(resumed_from) if resumed_from else None, "last": last, "eval": evaluation,
-                   "drafter_dir": str(out_dir / DRAFTER_DIR), "draft_vocab_size": drafter_config.draft_vocab_size,
+                   "drafter_dir": str(plan.drafter_dir), "draft_vocab_size": drafter_config.draft_vocab_size,
                    "draft_vocab_coverage": vocab.coverage, "world": world, "device": str(device),
                    "dtype": plan.dtype, "fingerprint": plan.fingerprint,
                    "config": {f.name: getattr(cfg, f.name) for f in fields(cfg)}}
@@ -750,7 +756,7 @@ def train(cfg: TrainConfig) -> dict:
             if cfg.charts:
                 summary["charts"] = write_charts(out_dir)
             atomic_write_text(out_dir / TRAINING_FILE, json.dumps(summary, indent=1) + "\n")
-            progress.update("done", f"drafter exported to {out_dir / DRAFTER_DIR}", force=True, step=step)
+            progress.update("done", f"drafter exported to {plan.drafter_dir}", force=True, step=step)
         return summary
     except StopRequested:
         raise
@@ -768,13 +774,13 @@ def _export(plan: Plan, model_state: dict) -> dict:
         state_dict.pop("embed_tokens.weight", None)  # SGLang takes the target's own
     export_cfg = {**asdict(plan.drafter_config), "dtype": plan.dtype}
     model_type = plan.target_config.get("model_type")
-    drafter = export.export_sglang(state_dict, export_cfg, plan.data.manifest, plan.out_dir / DRAFTER_DIR,
+    drafter = export.export_sglang(state_dict, export_cfg, plan.data.manifest, plan.drafter_dir,
                                    target_model_type_override=model_type)
     result = {"drafter_dir": str(drafter), "speculators_dir": None, "speculators_note": None}
     try:
         result["speculators_dir"] = str(export.export_speculators(
-            state_dict, export_cfg, plan.data.manifest, plan.out_dir / SPECULATORS_DIR,
-            target_model_type_override=model_type))
+            state_dict, export_cfg, plan.data.manifest,
+            plan.drafter_dir.with_name(plan.drafter_dir.name + "-speculators"), target_model_type_override=model_type))
     except export.ExportError as exc:
         result["speculators_note"] = f"no speculators form: {exc}"
         print(f"eagle3 train: {result['speculators_note']}", flush=True)

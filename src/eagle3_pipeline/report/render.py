@@ -1,0 +1,520 @@
+"""The report's HTML: one page, inline CSS, images by relative file name, no script, no network.
+
+Safe by construction: every value is escaped by ``esc`` unless it is an ``Html`` fragment built
+here, and a Content-Security-Policy forbids scripts, remote loads and everything but the page's
+own images and inline style, so a value that slipped through could still run nothing.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import shlex
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from eagle3_pipeline import __version__
+from eagle3_pipeline.report.figures import Figure
+from eagle3_pipeline.report.inputs import GpuResetLog, ReportInputs
+from eagle3_pipeline.serve.sglang_command import DEFAULT_SPECULATIVE_STEPS, speculative_launch_argv
+
+# Where the serving command listens (SGLang's default port).
+SERVING_HOST, SERVING_PORT = "127.0.0.1", 30000
+# Rows of skipped/failed records shown in full; the rest are counted by reason.
+MAX_RECORD_ROWS = 50
+CSP = "default-src 'none'; img-src 'self' data:; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'"
+SECTIONS = (
+    ("settings", "Settings"),
+    ("gpu-reset", "GPU reset"),
+    ("extraction", "Extraction"),
+    ("training", "Training"),
+    ("acceptance", "Acceptance: measured vs simulated"),
+    ("drafter", "Drafter and serving"),
+)
+STYLE = """
+:root { color-scheme: light; --fg: #1d2430; --muted: #5b6577; --line: #d8dde6; --bg: #f6f8fb; --accent: #1f6feb; }
+* { box-sizing: border-box; }
+body { margin: 0; font: 15px/1.5 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: var(--fg);
+       background: var(--bg); }
+header, main, footer { max-width: 1200px; margin: 0 auto; padding: 0 24px; }
+header { padding-top: 24px; }
+h1 { margin: 0 0 4px; font-size: 26px; }
+h2 { margin: 0 0 12px; font-size: 20px; border-bottom: 1px solid var(--line); padding-bottom: 6px; }
+h3 { margin: 18px 0 8px; font-size: 16px; }
+nav a { margin-right: 14px; color: var(--accent); text-decoration: none; }
+section { background: #fff; border: 1px solid var(--line); border-radius: 8px; padding: 16px 20px; margin: 18px 0; }
+.muted, figcaption { color: var(--muted); }
+.cards { display: grid; grid-template-columns: repeat(auto-fit, minmax(170px, 1fr)); gap: 12px; }
+.card { background: #fff; border: 1px solid var(--line); border-radius: 8px; padding: 10px 14px; }
+.card .value { font-size: 20px; font-weight: 600; overflow-wrap: anywhere; }
+.card .label { color: var(--muted); font-size: 13px; }
+table { border-collapse: collapse; margin: 6px 0 12px; font-size: 14px; }
+th, td { border: 1px solid var(--line); padding: 4px 8px; text-align: left; vertical-align: top; }
+th { background: var(--bg); font-weight: 600; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+td.wrap, td code { overflow-wrap: anywhere; word-break: break-word; }
+code, pre { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; font-size: 13px; }
+pre { background: #0f1720; color: #e6edf3; padding: 12px; border-radius: 6px; overflow-x: auto; }
+.missing { border-left: 4px solid #d29922; background: #fff8e6; padding: 8px 12px; margin: 8px 0; }
+.bad { color: #b42318; font-weight: 600; }
+.ok { color: #1a7f37; font-weight: 600; }
+figure { margin: 12px 0 20px; }
+figure img { max-width: 100%; height: auto; border: 1px solid var(--line); border-radius: 4px; background: #fff; }
+footer { padding-bottom: 32px; font-size: 13px; }
+"""
+
+
+class Html(str):
+    """A fragment of HTML that is already safe: built here, with every value escaped."""
+
+
+def esc(value: object) -> Html:
+    """Escape a value for HTML text or a double-quoted attribute; ``Html`` passes as it is."""
+    if isinstance(value, Html):
+        return value
+    return Html(html.escape(str(value), quote=True))
+
+
+def join(parts: Iterable[object], sep: str = "\n") -> Html:
+    """Concatenate fragments, escaping the ones that are not ``Html``."""
+    return Html(sep.join(esc(p) for p in parts))
+
+
+def tag(name: str, content: object = "", **attrs: object) -> Html:
+    """``<name attr="...">content</name>``; attribute values and content are escaped (``class_`` -> class)."""
+    rendered = "".join(f' {key.rstrip("_").replace("_", "-")}="{esc(value)}"'
+                       for key, value in attrs.items() if value is not None)
+    return Html(f"<{name}{rendered}>{esc(content)}</{name}>")
+
+
+def table(headers: Sequence[str] | None, rows: Iterable[Sequence[object]], numeric: Sequence[int] = ()) -> Html:
+    """A table (no header row when ``headers`` is None); cells are escaped unless ``Html``; columns in
+    ``numeric`` are right-aligned."""
+    head = tag("thead", tag("tr", join((tag("th", h) for h in headers), ""))) if headers else Html("")
+    body = []
+    for row in rows:
+        cells = [tag("td", cell, class_="num" if i in numeric else "wrap") for i, cell in enumerate(row)]
+        body.append(tag("tr", join(cells, "")))
+    return tag("table", join([head, tag("tbody", join(body))]))
+
+
+def missing(reason: str) -> Html:
+    """The box that says why a figure is not there."""
+    return tag("p", reason[:1].upper() + reason[1:], class_="missing")
+
+
+# -- formatting ---------------------------------------------------------------------------
+def number(value: object, digits: int = 3) -> str:
+    """An int with thousands separators, a float with ``digits`` decimals, anything else as text."""
+    if isinstance(value, bool) or value is None:
+        return "-" if value is None else str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}" if math.isfinite(value) else str(value)
+    return str(value)
+
+
+def size(num_bytes: object) -> str:
+    """Bytes in decimal units (as the seeds count them: 924 GB), with the exact count."""
+    if isinstance(num_bytes, bool) or not isinstance(num_bytes, (int, float)):
+        return "-"
+    value, unit = float(num_bytes), "B"
+    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):  # noqa: B007 - the last unit reached is kept
+        if abs(value) < 1000 or unit == "PB":
+            break
+        value /= 1000
+    return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.2f} {unit} ({int(num_bytes):,} bytes)"
+
+
+def duration(seconds: object) -> str:
+    """Seconds as ``12.3 s`` below a minute, else ``H:MM:SS``."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.2f} s"
+    whole = round(seconds)
+    return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
+
+
+def moment(epoch: float) -> str:
+    """Epoch seconds as UTC time."""
+    if not isinstance(epoch, (int, float)) or not math.isfinite(epoch):
+        return "unknown"
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(epoch))
+
+
+def as_text(value: object) -> str:
+    """A setting's value: strings as they are, everything else as compact JSON."""
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+
+
+def per_position(values: object, digits: int = 3) -> str:
+    """A per-position list as ``0.325 / 0.289 / ...``."""
+    if not isinstance(values, list):
+        return "-"
+    return " / ".join(number(float(v), digits) if isinstance(v, (int, float)) else str(v) for v in values)
+
+
+def cell(values: object, k: int) -> str:
+    """Position ``k`` of a per-position list, formatted, or ``-``."""
+    if isinstance(values, list) and k < len(values) and isinstance(values[k], (int, float)):
+        return number(float(values[k]))
+    return "-"
+
+
+# -- sections -----------------------------------------------------------------------------
+@dataclass
+class Page:
+    """What the page shows beyond the inputs: the figures drawn and when."""
+
+    training_figures: list[Figure]
+    acceptance_figure: Figure | None
+    generated_at: float
+
+
+def figure_html(figure: Figure, alt: str) -> Html:
+    """An ``<img>`` of a PNG beside the page, with its caption, or why it is missing."""
+    if figure.reason:
+        return missing(figure.reason)
+    return tag("figure", join([Html(f'<img src="{esc(figure.name)}" alt="{esc(alt)}" loading="eager">'),
+                               tag("figcaption", figure.caption)]))
+
+
+def settings_section(inputs: ReportInputs) -> Html:
+    """The run's variables, secrets withheld."""
+    settings = inputs.settings
+    parts: list[object] = []
+    if settings.values is None:
+        parts.append(missing(f"settings {settings.reason}"))
+    else:
+        parts.append(tag("p", f"{len(settings.values)} variables, from {settings.source}.", class_="muted"))
+        rows = [(tag("code", key), tag("code", as_text(value))) for key, value in sorted(settings.values.items())]
+        parts.append(table(["variable", "value"], rows))
+    if settings.withheld:
+        parts.append(tag("p", "Withheld as secrets (never written to the report): " + ", ".join(settings.withheld),
+                         class_="muted"))
+    return join(parts)
+
+
+def _gpu_log_html(log: GpuResetLog) -> Html:
+    r = log.record
+    title = log.host if log.label == log.host else f"{log.host} ({log.label})"
+    parts: list[object] = [tag("h3", title + (" - check mode, nothing signalled" if r.get("check_mode") else ""))]
+    if log.error:
+        return join([*parts, missing(f"unreadable: {log.error}")])
+    nvml = (f"NVML: driver {r.get('driver_version')}" if r.get("nvml_available")
+            else f"NVML unavailable: {r.get('nvml_reason') or 'no reason recorded'}")
+    parts.append(tag("p", f"{nvml}. Report written {moment(log.written_at)} ({log.path.name})."))
+    free_line = []
+    if isinstance(r.get("seconds_to_free"), (int, float)):
+        free_line.append(f"first signal to verified free: {duration(r['seconds_to_free'])}")
+    if isinstance(r.get("stop_seconds"), (int, float)):
+        free_line.append(f"stopping took {duration(r['stop_seconds'])}")
+    if isinstance(r.get("wait_seconds"), (int, float)):
+        free_line.append(f"waiting for free memory took {duration(r['wait_seconds'])}")
+    if free_line:
+        parts.append(tag("p", "; ".join(free_line) + "."))
+    after = {g.get("index"): g for g in r.get("gpus_after") or [] if isinstance(g, dict)}
+    gpus = [g for g in r.get("gpus_before") or [] if isinstance(g, dict)]
+    if gpus:
+        rows = [(g.get("index"), g.get("name", "-"), number(g.get("memory_used_mib")),
+                 number(after.get(g.get("index"), {}).get("memory_used_mib")),
+                 {True: "yes", False: "no"}.get(after.get(g.get("index"), {}).get("free"), "-"))
+                for g in gpus]
+        parts.append(table(["GPU", "name", "MiB used before", "MiB used after", "free"], rows, numeric=(0, 2, 3)))
+    stopped = [p for p in r.get("stopped") or [] if isinstance(p, dict)]
+    if stopped:
+        rows = [(p.get("pid"), tag("code", p.get("cmdline", "")), p.get("unit", "-"),
+                 p.get("signal") or "exited before any signal", duration(p.get("seconds")),
+                 ", ".join(str(g) for g in p.get("gpus") or []) or "-") for p in stopped]
+        parts += [tag("p", f"Stopped {len(stopped)} process(es):"),
+                  table(["PID", "command line", "unit", "signal", "seconds to exit", "GPUs"], rows, numeric=(0,))]
+    would = [p for p in r.get("would_stop") or [] if isinstance(p, dict)]
+    if would:
+        rows = [(p.get("pid"), tag("code", p.get("cmdline", "")), p.get("unit", "-")) for p in would]
+        parts += [tag("p", f"Would stop {len(would)} process(es):"),
+                  table(["PID", "command line", "unit"], rows, numeric=(0,))]
+    left = [p for p in r.get("left") or [] if isinstance(p, dict)]
+    if left:
+        rows = [(p.get("pid"), tag("code", p.get("cmdline", "")), p.get("reason", "-")) for p in left]
+        parts += [tag("p", f"Left running ({len(left)}):"), table(["PID", "command line", "why"], rows, numeric=(0,))]
+    if not stopped and not would and not left:
+        parts.append(tag("p", "No process held the GPUs: nothing was stopped."))
+    problems = [str(p) for p in r.get("health_problems") or []]
+    if problems:
+        parts.append(tag("ul", join(tag("li", p, class_="bad") for p in problems)))
+    return join(parts)
+
+
+def gpu_reset_section(inputs: ReportInputs) -> Html:
+    """Per host: what was stopped, how long until the GPUs were free."""
+    if inputs.gpu_reset_reason:
+        return missing(inputs.gpu_reset_reason)
+    intro = tag("p", f"{len(inputs.gpu_reset)} report(s) from {inputs.gpu_reset_dir}.", class_="muted")
+    return join([intro, *(_gpu_log_html(log) for log in inputs.gpu_reset)])
+
+
+def _records_table(records: object) -> Html:
+    rows = [(r.get("line", "-"), tag("code", r.get("id", "-")), r.get("reason", "-"), r.get("detail", ""))
+            for r in (records if isinstance(records, list) else [])[:MAX_RECORD_ROWS] if isinstance(r, dict)]
+    return table(["line", "id", "reason", "detail"], rows, numeric=(0,))
+
+
+def extraction_section(inputs: ReportInputs) -> Html:
+    """Samples, tokens, bytes, skipped and failed records with reasons, throughput."""
+    stats = inputs.extraction
+    m = stats.manifest
+    if m is None:
+        return missing(stats.reason or "not measured")
+    tokens, stored = m.get("num_tokens"), m.get("bytes")
+    per_token = stored / tokens if isinstance(stored, (int, float)) and isinstance(tokens, int) and tokens else None
+    dataset = m.get("dataset") if isinstance(m.get("dataset"), dict) else {}
+    skipped = m.get("skipped") if isinstance(m.get("skipped"), list) else []
+    failed = m.get("failed") if isinstance(m.get("failed"), list) else []
+    rows = [
+        ("data directory", tag("code", stats.data_dir)),
+        ("dataset", f"{dataset.get('name', '-')} (sha256 {str(dataset.get('sha256', '-'))[:16]}...)"),
+        ("engine", f"{m.get('engine', '-')} {m.get('engine_version', '')}".strip()),
+        ("target model", tag("code", m.get("target_model_path", "-"))),
+        ("aux layers (0-based, output of the layer)", as_text(m.get("aux_layers"))),
+        ("hidden size / layers / vocabulary",
+         f"{number(m.get('hidden_size'))} / {number(m.get('num_hidden_layers'))} / {number(m.get('vocab_size'))}"),
+        ("dtype, max length", f"{m.get('dtype', '-')}, {number(m.get('max_length'))} ({m.get('overflow', '-')})"),
+        ("records in the dataset", number(m.get("num_records"))),
+        ("samples stored (verified)", number(m.get("num_samples"))),
+        ("tokens", number(tokens)),
+        ("loss tokens (assistant turns)", number(m.get("num_loss_tokens"))),
+        ("bytes on disk", size(stored)),
+        ("bytes per token", number(per_token, 0) if per_token else "-"),
+        ("skipped records", number(len(skipped))),
+        ("failed samples", number(len(failed))),
+    ]
+    parts: list[object] = [table(None, rows)]
+    if stats.throughput:
+        trows = [(t.part, t.state, number(t.done), number(t.tokens), number(t.tokens_per_s, 1), duration(t.elapsed_s))
+                 for t in stats.throughput]
+        parts += [tag("h3", "Throughput"),
+                  tag("p", "Each part's last progress record (a resumed part counts from its last start).",
+                      class_="muted"),
+                  table(["part", "state", "samples", "tokens", "tokens/s", "elapsed"], trows, numeric=(2, 3, 4))]
+    else:
+        parts.append(missing(f"throughput not recorded: no {stats.data_dir}/parts/*.progress.json"))
+    for kind, records, label in (("skipped", skipped, "Skipped records"), ("failed", failed, "Failed samples")):
+        if not records:
+            continue
+        shown = f" (first {MAX_RECORD_ROWS} of {len(records)})" if len(records) > MAX_RECORD_ROWS else ""
+        parts += [tag("h3", f"{label}: {len(records)}"),
+                  table(["reason", "count"], stats.reasons(kind), numeric=(1,)),
+                  tag("p", f"Records{shown}:", class_="muted"), _records_table(records)]
+    return join(parts)
+
+
+def training_section(inputs: ReportInputs, page: Page) -> Html:
+    """The training's figures, per-position accuracy and charts."""
+    training = inputs.training
+    if training.metrics is None:
+        return missing(training.reason or "not measured")
+    record = training.record or {}
+    last_train, last_eval = training.last("train"), training.last("eval")
+    steps = f"{number(record.get('steps', last_train and last_train['step']))} of {number(record.get('total_steps'))}"
+    rows = [
+        ("training directory", tag("code", training.directory)),
+        ("state", "finished (training.json written)" if training.record else "not finished: no training.json yet"),
+        ("steps", steps),
+        ("device, processes, dtype",
+         f"{record.get('device', '-')}, {record.get('world', '-')}, {record.get('dtype', '-')}"),
+        ("draft vocabulary", f"{number(record.get('draft_vocab_size'))} tokens, covering "
+                             f"{number(record.get('draft_vocab_coverage'))} of the loss tokens"),
+    ]
+    if last_train:
+        rows += [("last training step", f"step {last_train['step']}: loss {number(last_train.get('loss'))}, "
+                                        f"simulated acceptance length {number(last_train.get('acceptance_length'))}, "
+                                        f"{number(last_train.get('tokens_per_s'), 0)} tokens/s")]
+    if last_eval:
+        rows += [("held-out evaluation", f"step {last_eval['step']} ({number(last_eval.get('samples'))} samples): "
+                                         f"loss {number(last_eval.get('loss'))}, simulated acceptance length "
+                                         f"{number(last_eval.get('acceptance_length'))}")]
+    if training.metrics.skipped_lines:
+        rows.append(("metrics lines skipped", f"{training.metrics.skipped_lines} (torn or not a record)"))
+    parts: list[object] = [table(None, rows), tag("h3", "Accuracy per draft position")]
+    sources = [(label, r) for label, r in (("held-out", last_eval), ("train", last_train)) if r]
+    positions = max((len(r.get("acc_k") or []) for _, r in sources), default=0)
+    headers = ["position k"]
+    for label, r in sources:
+        headers += [f"acc_k ({label}, step {r['step']})", f"cond_acc_k ({label})"]
+    prow = []
+    for k in range(positions):
+        row: list[object] = [k]
+        for _, r in sources:
+            row += [cell(r.get("acc_k"), k), cell(r.get("cond_acc_k"), k)]
+        prow.append(row)
+    parts += [tag("p", "acc_k: top-1 agreement with the target at draft position k; cond_acc_k: the same given "
+                       "positions 0..k-1 right.", class_="muted"),
+              table(headers, prow, numeric=tuple(range(len(headers))))]
+    parts += [figure_html(f, f"training chart {f.name}") for f in page.training_figures]
+    return join(parts)
+
+
+def _recorded_simulated_tau(record: dict) -> str:
+    """evaluation.json's own simulated tau (1 + the training's acceptance length), with its source."""
+    tau = record.get("simulated_tau")
+    length = record.get("simulated_acceptance_length")
+    if not isinstance(tau, (int, float)) and isinstance(length, (int, float)) and not isinstance(length, bool):
+        tau = 1 + length
+    if not isinstance(tau, (int, float)) or isinstance(tau, bool):
+        return "-"
+    source = record.get("simulated_from")
+    return f"{number(float(tau))}" + (f" ({source})" if isinstance(source, str) and source else "")
+
+
+def acceptance_section(inputs: ReportInputs, page: Page) -> Html:
+    """Measured tau and acceptance per position beside the training's simulation."""
+    acceptance, evaluation = inputs.acceptance, inputs.evaluation
+    simulated_line = None
+    if acceptance.simulated_rates is not None:
+        simulated_line = tag("p", f"Simulated by the training ({acceptance.simulated_source}): P(draft position k "
+                                  f"accepted) {per_position(acceptance.simulated_rates)}.")
+    if acceptance.reason:
+        return join([missing(acceptance.reason), *([simulated_line] if simulated_line else [])])
+    record = evaluation.record or {}
+    measured = acceptance.measured_rates or []
+    rows: list[tuple[object, object]] = [
+        ("measured acceptance length tau (tokens per target forward)", number(acceptance.measured_tau)),
+        (f"simulated tau over the same {len(measured) or '-'} draft positions (1 + the sum of the training's "
+         "P(accepted) per position)", number(acceptance.simulated_tau)),
+        ("simulated tau as evaluation.json records it (1 + the training's acceptance length over all its "
+         "positions)", _recorded_simulated_tau(record)),
+        ("engine", as_text(record.get("engine", "-"))),
+        ("held-out prompts, draft tokens per forward", f"{number(record.get('prompts'))}, "
+                                                       f"{number(record.get('draft_tokens'))}"),
+    ]
+    if "target_forwards" in record:
+        rows.append(("target forwards (verify), tokens generated",
+                     f"{number(record.get('target_forwards'))}, {number(record.get('tokens_generated'))}"))
+    if isinstance(record.get("sglang_accept_length"), (int, float)) and record.get("engine") == "sglang":
+        rows.append(("SGLang's accept length (completion tokens / verify forwards)",
+                     number(record["sglang_accept_length"])))
+    if "tokens_per_s" in record:
+        rows.append(("tokens/s with drafting, without", f"{number(record.get('tokens_per_s'), 1)}, "
+                                                        f"{number(record.get('tokens_per_s_without_drafting'), 1)}"))
+    if "outputs_match_target" in record:
+        match = record["outputs_match_target"]
+        mismatches = record.get("output_mismatches")
+        rows.append(("output equals the target's own greedy decode",
+                     tag("span", "yes", class_="ok") if match is True
+                     else tag("span", f"no: {as_text(mismatches)}", class_="bad") if match is False else "not checked"))
+    rows.append(("record", tag("code", evaluation.path)))
+    parts: list[object] = [table(None, rows)]
+    if measured:
+        simulated = acceptance.simulated_rates or []
+        conditional = record.get("conditional_acceptance_per_position")
+        prow = [(k, number(measured[k]), cell(conditional, k), number(simulated[k]) if k < len(simulated) else "-")
+                for k in range(len(measured))]
+        parts.append(table(["draft position k", "measured P(accepted)", "measured P(accepted | 0..k-1 accepted)",
+                            "simulated P(accepted)"], prow, numeric=(0, 1, 2, 3)))
+    elif simulated_line is not None:
+        parts.append(simulated_line)
+    for note in (acceptance.note, record.get("note")):
+        if isinstance(note, str) and note:
+            parts.append(tag("p", note, class_="muted"))
+    if page.acceptance_figure is not None:
+        parts.append(figure_html(page.acceptance_figure, "acceptance per draft position, measured vs simulated"))
+    return join(parts)
+
+
+def serving_argv(inputs: ReportInputs) -> list[str]:
+    """SGLang serving the target with the drafter (``serve.sglang_command.speculative_launch_argv``).
+
+    The chain length is the one the evaluation measured (its ``draft_tokens``), else SGLang's
+    default; the tensor-parallel size is the run's ``sglang_server_tp_size``, else 1.
+    """
+    steps = (inputs.evaluation.record or {}).get("draft_tokens")
+    tp_size = (inputs.settings.values or {}).get("sglang_server_tp_size")
+    return speculative_launch_argv(
+        "python", inputs.target_model_path or "<target model path>", str(inputs.drafter.directory), SERVING_PORT,
+        tp_size=tp_size if _positive_int(tp_size) else 1,
+        num_steps=steps if _positive_int(steps) else DEFAULT_SPECULATIVE_STEPS, host=SERVING_HOST,
+    )
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def drafter_section(inputs: ReportInputs) -> Html:
+    """Where the drafter is, what it is, and the SGLang command that serves it."""
+    drafter = inputs.drafter
+    parts: list[object] = []
+    if drafter.config is None:
+        parts.append(missing(drafter.reason or "no drafter"))
+    else:
+        config = drafter.config
+        eagle = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
+        rows = [
+            ("directory", tag("code", drafter.directory)),
+            ("architecture", as_text(config.get("architectures", "-"))),
+            ("draft vocabulary", number(config.get("draft_vocab_size"))),
+            ("target hidden size", number(config.get("target_hidden_size"))),
+            ("aux layers it reads", as_text(eagle.get("eagle_aux_hidden_state_layer_ids", "-"))),
+            ("weights (model.safetensors)", size(drafter.weights_bytes)),
+        ]
+        parts.append(table(None, rows))
+    parts += [
+        tag("h3", "Serve it with SGLang"),
+        tag("p", "On the GPU host, with the Python of SGLang's venv: a chain of draft tokens, top-1, the length the "
+                 "evaluation measured (--speculative-num-draft-tokens is always --speculative-num-steps + 1):",
+            class_="muted"),
+        tag("pre", tag("code", shlex.join(serving_argv(inputs)))),
+    ]
+    if inputs.target_model_path is None:
+        parts.append(missing("target model unknown: no manifest names it; pass --target-model-path"))
+    return join(parts)
+
+
+def summary_cards(inputs: ReportInputs) -> Html:
+    """The run at a glance."""
+    m = inputs.extraction.manifest or {}
+    acceptance = inputs.acceptance
+    cards = [
+        ("measured acceptance length tau", number(acceptance.measured_tau, 2) if not acceptance.reason
+         else "not measured"),
+        ("simulated tau (training)", number(acceptance.simulated_tau, 2) if acceptance.simulated_tau else "-"),
+        ("samples", number(m.get("num_samples"))),
+        ("tokens", number(m.get("num_tokens"))),
+        ("hidden states on disk", size(m.get("bytes")).split(" (")[0]),
+        ("training steps", number((inputs.training.record or {}).get("steps"))),
+    ]
+    return Html('<div class="cards">' + join(
+        (Html(f'<div class="card"><div class="value">{esc(v)}</div><div class="label">{esc(k)}</div></div>')
+         for k, v in cards), "") + "</div>")
+
+
+def render_page(inputs: ReportInputs, page: Page) -> str:
+    """The whole ``index.html``."""
+    name = inputs.output_dir.resolve().name or str(inputs.output_dir)
+    where = f"Run output {inputs.output_dir.resolve()}; report generated {moment(page.generated_at)}."
+    bodies = {
+        "settings": settings_section(inputs),
+        "gpu-reset": gpu_reset_section(inputs),
+        "extraction": extraction_section(inputs),
+        "training": training_section(inputs, page),
+        "acceptance": acceptance_section(inputs, page),
+        "drafter": drafter_section(inputs),
+    }
+    nav = tag("nav", join((tag("a", title, href=f"#{key}") for key, title in SECTIONS), " "))
+    sections = join(tag("section", join([tag("h2", title), bodies[key]]), id=key) for key, title in SECTIONS)
+    return (
+        "<!doctype html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+        f'<meta http-equiv="Content-Security-Policy" content="{esc(CSP)}">\n'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+        '<link rel="icon" href="data:,">\n'
+        f"<title>{esc(f'EAGLE-3 pipeline report: {name}')}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n"
+        f"<header>{tag('h1', f'EAGLE-3 pipeline report: {name}')}"
+        f"{tag('p', where, class_='muted')}"
+        f"{nav}</header>\n<main>\n{tag('section', summary_cards(inputs), id='summary')}\n{sections}\n</main>\n"
+        f"<footer class=\"muted\">Written by eagle3-pipeline {esc(__version__)} (eagle3-pipeline report).</footer>\n"
+        "</body>\n</html>\n"
+    )

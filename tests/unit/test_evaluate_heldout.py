@@ -1,0 +1,133 @@
+"""Held-out prompts: rendered as the extraction renders them, refused when they are in the training data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from extraction_settings import RUN, settings
+
+from eagle3_pipeline.evaluate.heldout import (
+    HeldoutError,
+    HeldoutOverlapError,
+    check_no_overlap,
+    load_heldout_prompts,
+    prefix_digest,
+)
+from eagle3_pipeline.extract import store
+from eagle3_pipeline.extract.dataset import Sample, read_dataset
+from eagle3_pipeline.extract.template import load_renderer
+from eagle3_pipeline.models.tiny import build_tiny_model
+from eagle3_pipeline.train.data import open_dataset
+
+ROOT = Path(__file__).resolve().parents[2]
+HIDDEN = 8
+
+
+def _chat(sample_id, question, answer, system=None):
+    turns = ([{"from": "system", "value": system}] if system else []) + [
+        {"from": "human", "value": question}, {"from": "gpt", "value": answer}]
+    record = {"conversations": turns}
+    if sample_id is not None:
+        record["id"] = sample_id
+    return record
+
+
+TRAINING = [
+    _chat("t-0", "What does heapq.heapify do?", "It turns a list into a heap."),
+    _chat("t-1", "Explain the Python module json.", "JSON encoding and decoding."),
+    _chat(None, "What is os.path.join for?", "It joins path parts.", system="Be brief."),  # id: line-3
+]
+
+
+def _write_jsonl(path: Path, records) -> Path:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def renderer():
+    return load_renderer(build_tiny_model(ROOT / ".cache" / "models" / "tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def training_data(tmp_path_factory, renderer):
+    """An extraction of TRAINING as the extraction stores it (ids and mask by the renderer; zero states)."""
+    root = tmp_path_factory.mktemp("data")
+    source = _write_jsonl(root.parent / "train.jsonl", TRAINING)
+    store.claim_settings(root, settings(HIDDEN, [0, 1, 2], 4096, 8, "float32"))
+    entries = []
+    for sample in read_dataset(source):
+        assert isinstance(sample, Sample)
+        ids, mask = renderer.render(sample.messages)
+        file = f"{store.shard_dir_name(sample.ordinal, 8)}/{sample.file_stem}{store.SAMPLE_SUFFIX}"
+        tokens = len(ids)
+        size, sha = store.write_sample(root / file, torch.tensor(ids, dtype=torch.int32),
+                                       torch.tensor(mask, dtype=torch.uint8), torch.zeros(tokens, 3 * HIDDEN),
+                                       torch.zeros(tokens, HIDDEN), {"format": store.FORMAT, "id": sample.sample_id})
+        entries.append({"key": f"k-{sample.ordinal}", "status": "ok", "ordinal": sample.ordinal, "line": sample.line,
+                        "id": sample.sample_id, "file": file, "tokens": tokens, "loss_tokens": sum(mask),
+                        "bytes": size, "sha256": sha})
+    store.write_part_manifest(root, 0, 1, entries, [], [], len(entries), RUN)
+    store.merge(root)
+    return open_dataset(root)
+
+
+def test_prompt_is_the_rendering_up_to_the_generation_prompt(tmp_path, renderer):
+    path = _write_jsonl(tmp_path / "held.jsonl", [_chat("h-0", "What is the class zipfile.ZipFile used for?", "x")])
+    prompts, skipped = load_heldout_prompts(path, renderer)
+    expected = renderer.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the class zipfile.ZipFile used for?"}], add_generation_prompt=True,
+        tokenize=False)
+    assert skipped == []
+    assert renderer.tokenizer.decode(list(prompts[0].input_ids), skip_special_tokens=False) == expected
+    assert expected.endswith("<|assistant|>\n")
+
+
+def test_records_without_a_prompt_are_left_out_with_the_reason(tmp_path, renderer):
+    path = _write_jsonl(tmp_path / "held.jsonl", [
+        {"id": "a", "conversations": [{"from": "gpt", "value": "I start."}, {"from": "human", "value": "ok"}]},
+        "not an object", _chat("b", "What is re.sub?", "Substitutes.")])
+    prompts, skipped = load_heldout_prompts(path, renderer)
+    assert [p.sample_id for p in prompts] == ["b"]
+    assert "no turn before the first assistant turn" in skipped[0] and "not_an_object" in skipped[1]
+    with pytest.raises(HeldoutError, match="no usable prompt"):
+        load_heldout_prompts(_write_jsonl(tmp_path / "none.jsonl", ["x"]), renderer)
+
+
+def test_prompts_unseen_in_training_pass(tmp_path, renderer, training_data):
+    path = _write_jsonl(tmp_path / "held.jsonl", [
+        _chat("h-0", "What is the class zipfile.ZipFile used for?", "Zip files."),
+        _chat(None, "What does heapq.heappush do?", "Pushes."),  # line-2: a generated id, like a training one
+        _chat("h-2", "What does heapq.heapify do?", "Same question, but with a system prompt.", system="Be brief.")])
+    prompts, _ = load_heldout_prompts(path, renderer)
+    summary = check_no_overlap(prompts, training_data)
+    assert summary["overlaps"] == 0 and summary["checked_prompts"] == 3 and summary["training_samples"] == 3
+
+
+def test_a_training_prompt_under_another_id_is_refused_by_its_tokens(tmp_path, renderer, training_data):
+    path = _write_jsonl(tmp_path / "held.jsonl", [
+        _chat("fresh", "What is the class zipfile.ZipFile used for?", "Zip files."),
+        _chat("renamed", "Explain the Python module json.", "A different answer: the prompt is what counts."),
+        _chat("again", "What is os.path.join for?", "x", system="Be brief.")])
+    prompts, _ = load_heldout_prompts(path, renderer)
+    with pytest.raises(HeldoutOverlapError, match="2 held-out prompt") as caught:
+        check_no_overlap(prompts, training_data)
+    assert caught.value.overlaps == [("renamed", "t-1", "same prompt tokens"),
+                                     ("again", "line-3", "same prompt tokens")]
+    assert "renamed (same prompt tokens as training sample t-1)" in str(caught.value)
+
+
+def test_a_training_id_is_refused_even_with_another_prompt(tmp_path, renderer, training_data):
+    path = _write_jsonl(tmp_path / "held.jsonl", [_chat("t-0", "A question never trained on?", "x")])
+    prompts, _ = load_heldout_prompts(path, renderer)
+    with pytest.raises(HeldoutOverlapError, match="t-0 \\(same id as training sample t-0\\)"):
+        check_no_overlap(prompts, training_data)
+
+
+def test_prefix_digest_cuts_at_the_first_assistant_token():
+    assert prefix_digest([1, 2, 3, 4], [0, 0, 1, 1]) == prefix_digest([1, 2, 9], [0, 0, 1])
+    assert prefix_digest([1, 2, 3, 4], [0, 0, 1, 1]) != prefix_digest([1, 2, 3, 4], [0, 0, 0, 1])
+
