@@ -35,6 +35,8 @@ def test_report_playbook_writes_once_then_changes_nothing_and_check_writes_nothi
     (out / "gpu_reset").rename(controller_logs)
     extravars = {"report_output_dir": str(out), "gpu_reset_report_dir": str(controller_logs),
                  "extraction_output_dir": str(out / "data"), "eagle_training_output_dir": str(out / "drafter-run"),
+                 # inventory/local.yml points these at output/demo: the run's own places here.
+                 "eagle_training_drafter_dir": "", "evaluation_output_dir": str(out / "evaluation"),
                  "sglang_server_api_key": SECRET, "sglang_server_model_path": "/models/target"}
 
     stats, stdout = play(tmp_path, "check", extravars, check=True)

@@ -101,6 +101,7 @@ def training_vars(data_dir: Path, workdir: Path, **overrides) -> dict:
     return {
         "eagle_training_data_dir": str(data_dir),
         "eagle_training_output_dir": str(workdir / "drafter-run"),
+        "eagle_training_drafter_dir": "",  # inventory/local.yml exports the demo's elsewhere: <out>/drafter here
         "eagle_training_state_dir": str(workdir / "jobs"),
         "eagle_training_device": "cpu",
         "eagle_training_draft_vocab_size": DRAFT_VOCAB,
