@@ -28,6 +28,7 @@ Hidden-state conventions (checked against transformers 5.24's ``LlamaModel`` and
 
 from __future__ import annotations
 
+import inspect
 import logging
 import queue
 import threading
@@ -49,7 +50,16 @@ class ServiceUnavailable(RuntimeError):
     """The worker is shutting down (or gone): the job was not run."""
 
 
+def _transformers_version() -> str:
+    import transformers  # noqa: PLC0415
 
+    return transformers.__version__
+
+
+# Largest difference allowed between a cached and a full forward, relative to the largest value of
+# the full one: far above what kernel order changes (fp32 ~1e-6, bf16 ~1e-2), far below a forward
+# that lost its cache (order 1).
+CACHED_FORWARD_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
 
 @dataclass
 class SamplingConfig:
@@ -174,11 +184,13 @@ class ModelRunner:
         self.lm_head = self.model.get_output_embeddings()
         self.eos_token_ids = self._eos_token_ids()
         self._layers = self._decoder_layers()
+        self._cache_kw = self._cache_keyword()
         self._captured: dict[int, object] | None = None
         for index in sorted(set(self.aux_layers)):
             self._layers[index].register_forward_hook(partial(self._keep_layer_output, index))
         self._check_logits_from_last_hidden_state()
         self._check_aux_capture()
+        self._check_cached_forward()
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -206,8 +218,28 @@ class ModelRunner:
         if self._captured is not None:
             self._captured[index] = output[0] if isinstance(output, (tuple, list)) else output
 
-    def _run_decoder(self, **kwargs):
-        """The decoder's forward, returning (output, {aux layer: its output [B, T, H]})."""
+    def _cache_keyword(self) -> str:
+        """The name under which this transformers version's decoder takes its KV cache.
+
+        transformers 5.24 calls it ``cache`` (``past_key_values`` is a deprecated alias there);
+        5.17 and earlier call it ``past_key_values`` and swallow an unknown ``cache=`` into
+        ``**kwargs``: the forward then runs WITHOUT the cache, every token after the prefill sees
+        no context, and nothing fails. So the name comes from the signature, never from a guess.
+        """
+        parameters = inspect.signature(self.decoder.forward).parameters
+        for name in ("cache", "past_key_values"):
+            if name in parameters:
+                return name
+        raise ValueError(f"{self.model_path}: the decoder's forward takes its KV cache neither as `cache` nor as "
+                         f"`past_key_values` (transformers {_transformers_version()}); the reference engine cannot "
+                         "decode with it")
+
+    def _run_decoder(self, cache=None, **kwargs):
+        """The decoder's forward (with ``cache`` under this version's keyword), returning
+        (output, {aux layer: its output [B, T, H]})."""
+        if cache is not None:
+            kwargs[self._cache_kw] = cache
+            kwargs["use_cache"] = True
         self._captured = {}
         try:
             out = self.decoder(**kwargs)
@@ -228,6 +260,74 @@ class ModelRunner:
                     f"hidden_states[{index + 1}]; this transformers version changed what a layer returns, and the "
                     "reference engine would capture the wrong states"
                 )
+
+    def _check_cached_forward(self) -> None:
+        with self.torch.inference_mode():
+            self._compare_cached_and_full_forwards()
+
+    def _compare_cached_and_full_forwards(self) -> None:
+        """Refuse to serve when a forward with the KV cache differs from a full forward.
+
+        Both ways the engine reads tokens after a prefill are checked against one full forward per
+        sequence: a request that goes on at explicit positions (the evaluation's verify forwards),
+        and the batched decode step (right-padded rows, attention mask, each row at its own
+        position). The aux states and the logits must agree within ``CACHED_FORWARD_TOLERANCE``.
+        """
+        torch = self.torch
+        length = min(12, self.context_length - 1)
+        if length < 4:
+            return
+        tokens = [(7 + 131 * i) % self.vocab_size for i in range(length)]
+        short = length - 3  # the second row of the batch, right-padded
+
+        def full(ids):
+            with torch.inference_mode():
+                out, captured = self._run_decoder(input_ids=torch.tensor([ids], device=self.device))
+            aux = torch.cat([captured[i][0] for i in self.aux_layers], dim=-1)
+            return aux, self.lm_head(out.last_hidden_state[0]).float()
+
+        def compare(what, aux, logits, want_aux, want_logits):
+            for name, ours, full_one in (("aux hidden states", aux, want_aux), ("logits", logits, want_logits)):
+                got, want = ours.float(), full_one.float()
+                error = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+                if not error <= CACHED_FORWARD_TOLERANCE[self.dtype_name]:
+                    raise ValueError(
+                        f"{self.model_path}: {what} with the KV cache gives {name} that differ from a full forward "
+                        f"of the same tokens (largest difference {error:.3g} of the largest value; allowed "
+                        f"{CACHED_FORWARD_TOLERANCE[self.dtype_name]}) under transformers {_transformers_version()}: "
+                        "this version takes the cache differently, and every token after a prefill would be read "
+                        "without its context; install a transformers release this project supports")
+
+        # 1. one request: prefill, then the rest at explicit positions (the evaluation's forwards)
+        split = length - 4
+        want_aux, want_logits = full(tokens)
+        cache = self._new_cache()
+        self._run_decoder(input_ids=torch.tensor([tokens[:split]], device=self.device), cache=cache)
+        positions = torch.arange(split, length, device=self.device)[None]
+        out, captured = self._run_decoder(input_ids=torch.tensor([tokens[split:]], device=self.device),
+                                          position_ids=positions, cache=cache)
+        aux = torch.cat([captured[i][0] for i in self.aux_layers], dim=-1)
+        compare("a forward at positions after a prefill", aux, self.lm_head(out.last_hidden_state[0]),
+                want_aux[split:], want_logits[split:])
+        # 2. the batched decode step: two right-padded rows, each going on at its own position
+        rows = [tokens[: length - 1], tokens[:short]]
+        ids = torch.zeros((2, length - 1), dtype=torch.long, device=self.device)
+        mask = torch.zeros((2, length - 1), dtype=torch.long, device=self.device)
+        for b, row in enumerate(rows):
+            ids[b, : len(row)] = torch.tensor(row, device=self.device)
+            mask[b, : len(row)] = 1
+        nxt = [tokens[length - 1], tokens[short]]
+        cache = self._new_cache()
+        self._run_decoder(input_ids=ids, attention_mask=mask, cache=cache)
+        mask = torch.cat([mask, torch.ones((2, 1), dtype=mask.dtype, device=self.device)], dim=1)
+        out, captured = self._run_decoder(
+            input_ids=torch.tensor([[t] for t in nxt], device=self.device), attention_mask=mask,
+            position_ids=torch.tensor([[len(row)] for row in rows], device=self.device), cache=cache)
+        for b, row in enumerate(rows):
+            want_aux, want_logits = full(row + [nxt[b]])
+            aux = torch.cat([captured[i][b] for i in self.aux_layers], dim=-1)
+            compare("a batched decode step", aux, self.lm_head(out.last_hidden_state[b]), want_aux[-1:],
+                    want_logits[-1:])
 
     def _check_logits_from_last_hidden_state(self) -> None:
         """Refuse models whose logits are not ``lm_head(last_hidden_state)`` (softcapping, scaling...).
@@ -259,7 +359,7 @@ class ModelRunner:
             mask[b, : lengths[b]] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         cache = self._new_cache()
-        out, captured = self._run_decoder(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+        out, captured = self._run_decoder(input_ids=ids, attention_mask=mask, cache=cache)
         rows = []
         for b, job in enumerate(jobs):
             length = lengths[b]
@@ -374,12 +474,11 @@ class ModelRunner:
             # padding of the prefill stays masked out.
             positions = torch.tensor([[lengths[b] + step] for b in range(len(jobs))], device=self.device)
             mask = torch.cat([mask, torch.ones((len(jobs), 1), dtype=mask.dtype, device=self.device)], dim=1)
-            out = self.decoder(
+            out, _ = self._run_decoder(
                 input_ids=torch.tensor(next_ids, device=self.device).unsqueeze(1),
                 attention_mask=mask,
                 position_ids=positions,
                 cache=cache,
-                use_cache=True,
             )
             logits = self.lm_head(out.last_hidden_state[:, -1]).float()  # [B, V]
             last_logits = list(logits)

@@ -87,7 +87,7 @@ class TargetModel:
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(token_ids), device=self.device)[None]
         out, captured = self.runner._run_decoder(  # noqa: SLF001 - the engine's hooked forward
-            input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
+            input_ids=ids, position_ids=positions, cache=cache)
         aux = torch.cat([captured[layer][0] for layer in self.aux_layers], dim=-1)
         return aux, self.runner.lm_head(out.last_hidden_state[0]).float()
 
