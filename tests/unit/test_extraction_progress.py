@@ -26,7 +26,7 @@ from ansible.module_utils.extraction_progress import (
     read_status,
     wait_for_change,
 )
-from module_runs import run_module
+from module_runs import POLL_S, WAIT_S, run_module
 from process_checks import wait_for
 
 SUPERVISE = [sys.executable, "-m", "eagle3_pipeline.cli", "supervise"]
@@ -177,11 +177,12 @@ def test_a_job_that_exited_non_zero_while_running_is_dead_with_its_log(jobs, cap
     assert jobs.wait_ended()["exit_code"] == 3
 
     code, result = run_module(module,
-        {"output_dir": str(jobs.output_dir), "state_dir": str(jobs.state_dir), "name": "job", "wait_s": 5}, capsys
+        {"output_dir": str(jobs.output_dir), "state_dir": str(jobs.state_dir), "name": "job", "wait_s": WAIT_S,
+         "poll_s": POLL_S}, capsys
     )
 
     assert code == 1 and result["state"] == "dead"
-    assert result["seconds"] < 1, "a dead job must fail at once, not after wait_s"
+    assert result["seconds"] < POLL_S, "a dead job must fail at its first look, not after a poll or wait_s"
     assert "the extraction job job of part 0/1 exited with code 3" in result["msg"]
     assert "last progress: 412/1000 samples" in result["msg"]
     assert "job: wrote running" in result["msg"]
@@ -242,14 +243,15 @@ def test_the_wait_returns_when_the_job_first_reports(jobs, capsys):
                    str(jobs.progress_file), "running", "sleep")
 
     code, result = run_module(module,
-        {"output_dir": str(jobs.output_dir), "state_dir": str(jobs.state_dir), "name": "job", "wait_s": 20,
+        {"output_dir": str(jobs.output_dir), "state_dir": str(jobs.state_dir), "name": "job", "wait_s": WAIT_S,
          "poll_s": 0.05},
         capsys,
     )
 
     assert code == 0, result
+    # "running" can only have been seen after the job's one-second sleep, so the wait did wait for it.
     assert result["state"] == "running" and result["finished"] is False
-    assert 0.5 < result["seconds"] < 10
+    assert result["seconds"] < WAIT_S, "returned on the report, not at wait_s"
     assert result["msg"] == "part 0/1: 412/1000 samples, 3 skipped, 0 failed, 5,210 tokens/s, about 0:03:12 left"
     assert (result["samples_total"], result["samples_done"], result["samples_skipped"]) == (1000, 412, 3)
     assert "skipped" not in result and "failed" not in result
@@ -260,13 +262,14 @@ def test_a_running_job_is_waited_for_wait_s_then_reported(jobs, capsys):
 
     code, result = run_module(module,
         {"output_dir": str(jobs.output_dir), "state_dir": str(jobs.state_dir), "name": "job", "wait_s": 0.6,
-         "poll_s": 0.1},
+         "poll_s": POLL_S},
         capsys,
         check_mode=True,
     )
 
     assert code == 0 and result["changed"] is False
-    assert result["state"] == "running" and 0.6 <= result["seconds"] < 3
+    # No sleep runs past wait_s: the wait ends at its first look from then, well within one more poll.
+    assert result["state"] == "running" and 0.6 <= result["seconds"] < 0.6 + POLL_S
 
 
 def test_a_done_part_returns_at_once_and_finished(jobs, capsys):
@@ -274,11 +277,12 @@ def test_a_done_part_returns_at_once_and_finished(jobs, capsys):
     jobs.wait_ended()
 
     code, result = run_module(module,
-        {"output_dir": str(jobs.output_dir), "state_dir": str(jobs.state_dir), "name": "job", "wait_s": 30}, capsys
+        {"output_dir": str(jobs.output_dir), "state_dir": str(jobs.state_dir), "name": "job", "wait_s": WAIT_S,
+         "poll_s": POLL_S}, capsys
     )
 
     assert code == 0 and result["finished"] is True and result["state"] == "done"
-    assert result["seconds"] < 1
+    assert result["seconds"] < POLL_S, "a finished part returns at its first look"
     assert result["tokens"] == 81234
 
 
@@ -286,12 +290,12 @@ def test_the_deadline_fails_the_wait_and_says_the_job_keeps_running(jobs, capsys
     record = jobs.start("running", "sleep")
 
     code, result = run_module(module,
-        {"output_dir": str(jobs.output_dir), "state_dir": str(jobs.state_dir), "name": "job", "wait_s": 30,
+        {"output_dir": str(jobs.output_dir), "state_dir": str(jobs.state_dir), "name": "job", "wait_s": WAIT_S,
          "deadline": time.time() + 0.3},
         capsys,
     )
 
-    assert code == 1 and result["seconds"] < 5
+    assert code == 1 and result["seconds"] < WAIT_S, "the deadline, not wait_s, ended the wait"
     assert f"the job (PID {record['pid']}) keeps running, at 412/1000 samples" in result["msg"]
     assert "extraction_timeout_s" in result["msg"]
 

@@ -16,12 +16,12 @@ def wait(gpus, max_used_mib=0, timeout_s=10.0, poll_s=0.01):
 
 def test_wait_free_returns_once_the_gpu_is_freed_on_the_third_poll():
     gpu = FakeGpu(used_mib=70000, compute=[(4242, 70000)], changes={3: {"used_mib": 0, "compute": []}})
-    ok, states, seconds, polls = wait([gpu])
+    ok, states, seconds, polls = wait([gpu], timeout_s=10.0, poll_s=0.01)
     assert ok is True
     assert polls == 3
     assert gpu.memory_reads == 3
     assert states == [{"index": 0, "memory_used_mib": 0, "memory_reserved_mib": 615, "processes": [], "free": True}]
-    assert seconds < 5
+    assert 2 * 0.01 <= seconds < 10.0  # two polls' sleeps before the third, and no timeout
 
 
 def test_wait_free_waits_for_every_gpu():

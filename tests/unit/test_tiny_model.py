@@ -159,7 +159,8 @@ def test_second_build_returns_the_cached_directory_untouched(tiny_model_dir, cap
     before = (weights.stat().st_mtime_ns, (tiny_model_dir / STAMP_NAME).read_bytes())
     started = time.monotonic()
     assert build_tiny_model(tiny_model_dir) == tiny_model_dir
-    assert time.monotonic() - started < 10
+    # Hashing the corpus and the files, not training again: less than the build took on this machine.
+    assert time.monotonic() - started < read_stamp(tiny_model_dir)["metrics"]["build_seconds"]
     assert (weights.stat().st_mtime_ns, (tiny_model_dir / STAMP_NAME).read_bytes()) == before
     parser = argparse.ArgumentParser()
     tiny.configure_parser(parser)

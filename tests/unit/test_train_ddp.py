@@ -19,6 +19,7 @@ from eagle3_pipeline.train.model import DrafterConfig, Eagle3Drafter
 from eagle3_pipeline.train.step import StepRunner
 
 VOCAB, HIDDEN, STEPS, TTT = 40, 16, 3, 3
+LR = 0.5  # with grad_clip=0.5: each step moves the weights by a gradient of norm 0.25 at most
 
 
 def make_model() -> Eagle3Drafter:
@@ -57,9 +58,14 @@ BATCHES = [(make_batch(10 + s, [9, 14]), make_batch(20 + s, [17, 6, 5])) for s i
 def train(model: Eagle3Drafter, batches: list[PackedBatch]) -> dict[str, torch.Tensor]:
     runner = StepRunner(model, LM_HEAD, ttt_length=TTT, device=torch.device("cpu"), dtype="float32",
                         parallel="ddp")
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    # SGD, not AdamW: an SGD step is linear in the gradient, so the two runs part only by the float32
+    # rounding of their gradient sums (relative ~1e-6 of each update) and of the updates themselves (half
+    # an ulp of each weight per step). Adam divides a gradient by its own running size, which turns the
+    # rounding noise of a near-zero gradient (a cancelling sum: the ranks' halves pull opposite ways)
+    # into an update of any size up to lr, so no tolerance short of lr itself holds for it on every CPU.
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     for batch in batches:
-        runner.train_step(batch, optimizer, 1e-2, grad_clip=0.5)
+        runner.train_step(batch, optimizer, LR, grad_clip=0.5)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from float_rounding import U32, dot_error_bound
 
 from eagle3_pipeline.train.model import (
+    STEP_DECAY,
     DrafterConfig,
     DrafterConfigError,
     Eagle3Drafter,
@@ -150,7 +152,13 @@ def test_llama3_rope_frequencies_match_transformers():
               "max_position_embeddings": 1024, "rope_parameters": llama3}
     ours = rope_inv_freq(DrafterConfig.from_target(target, N_AUX, 8))
     theirs, _ = modeling_rope_utils.ROPE_INIT_FUNCTIONS["llama3"](LlamaConfig(**target))
-    torch.testing.assert_close(ours, theirs.float(), rtol=1e-6, atol=0)
+    # Ours is the float64 formula rounded once to float32 (1 u). transformers evaluates it in float32:
+    # theta ** (i / dim) to 1 ulp and its reciprocal, 3 u; in the blended band the wavelength ratio r
+    # (<= high_freq_factor = 4) carries 6 u, i.e. 24 u absolute, so the smooth factor (r - 1) / 3 is off by
+    # at most (24 + 3) u / 3 + u = 10 u, which the blend amplifies by at most factor - 1 = 7 relative to its
+    # smallest value inv / factor: 70 u; the blend's own 4 roundings add 4 u. A wrong band edge, factor or
+    # blend is off by percents.
+    torch.testing.assert_close(ours, theirs.float(), rtol=(1 + 3 + 70 + 4) * U32, atol=0)
 
 
 def test_attention_mask_pattern_on_a_small_example():
@@ -360,24 +368,54 @@ def test_fused_forward_equals_the_masked_sdpa_reference_with_packed_samples():
         torch.testing.assert_close(b, a, rtol=0, atol=1e-12, msg=f"step {step}")
 
 
+def float32_soft_ce_error_bounds(step_logits, teacher, step_losses: torch.Tensor) -> torch.Tensor:
+    """[K] first-order bounds on |ttt_loss's float32 step CE - the exact step CE| (float64 logits given).
+
+    In units of u, with x a step's logits, t the teacher's, D classes and R masked rows. Each log-prob
+    log q_i = (x_i - m) - log(sum_j exp(x_j - m)): casting x to float32 moves it by 2 max|x|, rounding the
+    differences x_j - m by 4 max|x| more (its own and, through the sum, the others'); the sum of D
+    exponentials (1 ulp = 2 u each) is off by (D + 1) of itself and its log by 2 ln D more. Each teacher
+    probability (the float32 softmax of t) is off by 6 max|t| + D + 4 of itself, as the same steps count.
+    The CE and the loss then only add terms of one sign (p * -log q >= 0), so the D-term sum with its
+    products, the R-term sum with its division and the last subtraction in log q round by D + R + 1 of
+    the result.
+    """
+    draft = teacher.logits.shape[-1]
+    teacher_max = float(teacher.logits.abs().max())
+    bounds = []
+    for step, (logits, ce) in enumerate(zip(step_logits, step_losses.tolist())):
+        rows = int(teacher.position_mask(step).sum())
+        log_prob = 6 * float(logits.abs().max()) + draft + 1 + 2 * math.log(draft)  # absolute, per log-prob
+        relative = (6 * teacher_max + draft + 4) + draft + rows + 1  # of the step's CE
+        bounds.append(U32 * (log_prob + relative * ce))
+    return torch.tensor(bounds, dtype=torch.float64)
+
+
 def test_fused_loss_and_gradients_equal_the_reference():
     model = tiny_drafter(seed=1).double()
     input_ids, aux, doc_ids, last_hidden, target_head = packed_example()
     teacher = teacher_targets(last_hidden, target_head, model.t2d, model.d2t, torch.ones(2, 9), doc_ids)
     params = [p for p in model.parameters() if p.requires_grad]
-    reference = ttt_loss(model.forward_ttt(input_ids, aux, None, 4, doc_ids), teacher)
+    step_logits = model.forward_ttt(input_ids, aux, None, 4, doc_ids)
+    reference = ttt_loss(step_logits, teacher)
     expected = torch.autograd.grad(reference.loss, params)
     hidden = model.forward_ttt(input_ids, aux, None, 4, doc_ids, attention="fused", mlp_recompute_steps=2, head=False)
     fused, top = fused_ttt_loss(hidden, model.lm_head.weight, teacher, chunk_rows=5)  # chunks cross step rows
     got = torch.autograd.grad(fused.loss, params)
-    # The reference loss is float32 (ttt_loss upcasts to float32); the fused one keeps float64.
-    torch.testing.assert_close(fused.loss.float(), reference.loss, rtol=1e-6, atol=0)
-    torch.testing.assert_close(fused.step_losses.float(), reference.step_losses, rtol=1e-6, atol=0)
+    # The reference loss is float32 (ttt_loss upcasts to float32); the fused one keeps float64, so it stands
+    # for the exact loss and the reference may be off by its float32 rounding, bounded per step below.
+    logits = [step.detach() for step in step_logits]
+    bounds = float32_soft_ce_error_bounds(logits, teacher, fused.step_losses)
+    assert ((fused.step_losses - reference.step_losses.double()).abs() <= bounds).all(), (fused.step_losses,
+                                                                                         reference.step_losses)
+    decays = STEP_DECAY ** torch.arange(len(logits), dtype=torch.float64)
+    # The decayed sum over K steps rounds K more times.
+    assert abs(float(fused.loss) - float(reference.loss)) <= float((decays * bounds).sum()) + len(logits) * U32 * float(
+        fused.loss)
     assert fused.step_counts.tolist() == reference.step_counts.tolist()
     for (name, _), a, b in zip([(n, p) for n, p in model.named_parameters() if p.requires_grad], got, expected):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
-    with torch.no_grad():
-        logits = model.forward_ttt(input_ids, aux, None, 4, doc_ids)
+    # float64 argmaxes of the two paths: they could part only at a tie within ~1e-13, far below these logits' gaps.
     ours, theirs = ttt_metrics_from_argmax(top, teacher), ttt_metrics(logits, teacher)
     for name in ("hits", "rows", "chain_hits", "chain_rows"):
         assert getattr(ours, name).tolist() == getattr(theirs, name).tolist(), name
@@ -405,13 +443,29 @@ def test_ttt_attention_gradients_match_the_masked_reference():
 def test_the_teacher_keeps_draft_logits_in_the_matmul_dtype():
     model = tiny_drafter(seed=3)
     _, _, doc_ids, last_hidden, target_head = packed_example()
-    exact = teacher_targets(last_hidden.float(), target_head.float(), model.t2d, model.d2t, torch.ones(2, 9))
-    chunked = teacher_targets(last_hidden.float(), target_head.float(), model.t2d, model.d2t, torch.ones(2, 9),
-                              chunk_rows=4)
-    assert exact.logits.dtype == torch.float32
-    torch.testing.assert_close(chunked.logits, exact.logits, rtol=0, atol=0)
-    full = last_hidden.float() @ target_head.float().t()
+    rows, head = last_hidden.float(), target_head.float()
+    exact = teacher_targets(rows, head, model.t2d, model.d2t, torch.ones(2, 9))
+    chunked = teacher_targets(rows, head, model.t2d, model.d2t, torch.ones(2, 9), chunk_rows=4)
+    assert exact.logits.dtype == chunked.logits.dtype == torch.float32
+    # Chunks of 4 rows and the whole 18 run different GEMM kernels, which may round differently (on some
+    # CPUs 33 of these 432 logits differ by up to 9.5e-7): both must be the exact products of the float32
+    # inputs up to float32's rounding of a 16-term dot product (in any order), in the draft vocabulary's columns.
     draft_ids = (model.d2t + torch.arange(DRAFT)).tolist()
-    torch.testing.assert_close(exact.probs, torch.softmax(full[..., draft_ids], -1))
+    # In float64 the products of float32 values are exact and their sum rounds at float64's unit: the
+    # reference's own (negligible) error is added to the bound.
+    truth = (rows.double() @ head.double().T)[..., draft_ids]
+    flat = rows.reshape(-1, H)
+    bound = (dot_error_bound(flat, head) + dot_error_bound(flat, head, unit=2.0**-53)).view(2, 9, -1)[..., draft_ids]
+    for teacher in (exact, chunked):
+        assert ((teacher.logits.double() - truth).abs() <= bound).all()
+    # Their softmax: logits off by at most delta (a row's largest bound) move each probability by a factor
+    # within exp(+-2 delta). The float32 softmax itself adds, relative to each probability, u |x - max| in its
+    # exponential's argument and at most u max|x - max| in the normalizer's, 2 u for the exponential (1 ulp),
+    # (D + 1) u for the normalizer's sum and u for the division.
+    expected = torch.softmax(truth, -1)
+    delta = bound.amax(-1, keepdim=True)
+    spread = (truth - truth.amax(-1, keepdim=True)).abs()
+    slack = expected * torch.expm1(2 * delta + U32 * (spread + spread.amax(-1, keepdim=True) + DRAFT + 4))
+    assert ((exact.probs.double() - expected).abs() <= slack).all()
     half = teacher_targets(last_hidden.bfloat16(), target_head.bfloat16(), model.t2d, model.d2t, torch.ones(2, 9))
     assert half.logits.dtype == torch.bfloat16 and half.probs.dtype == torch.float32

@@ -28,7 +28,7 @@ from ansible.module_utils.training_progress import (
     progress_path,
     read_status,
 )
-from module_runs import run_module
+from module_runs import POLL_S, WAIT_S, run_module
 from process_checks import wait_for
 
 SUPERVISE = [sys.executable, "-m", "eagle3_pipeline.cli", "supervise"]
@@ -183,10 +183,10 @@ def test_a_job_that_reported_done_and_exited_0_is_done_with_its_last_metrics(job
     jobs.start("done", "0")
     jobs.wait_ended()
 
-    code, result = run_module(module, jobs.args(wait_s=30), capsys)
+    code, result = run_module(module, jobs.args(wait_s=WAIT_S, poll_s=POLL_S), capsys)
 
     assert code == 0 and result["finished"] is True and result["state"] == "done"
-    assert result["seconds"] < 1
+    assert result["seconds"] < POLL_S, "a finished training returns at its first look"
     assert result["msg"].endswith(": done in 0:00:31")
     assert result["last_train"]["step"] == 40 and result["last_eval"]["samples"] == 4
 
@@ -217,10 +217,10 @@ def test_a_job_that_crashed_while_running_is_dead_at_once_with_its_log(jobs, cap
     jobs.start("running", "1")
     assert jobs.wait_ended()["exit_code"] == 1
 
-    code, result = run_module(module, jobs.args(wait_s=5), capsys)
+    code, result = run_module(module, jobs.args(wait_s=WAIT_S, poll_s=POLL_S), capsys)
 
     assert code == 1 and result["state"] == "dead"
-    assert result["seconds"] < 1, "a dead job must fail at once, not after wait_s"
+    assert result["seconds"] < POLL_S, "a dead job must fail at its first look, not after a poll or wait_s"
     assert "the training job job exited with code 1 (it crashed)" in result["msg"]
     assert "last progress: step 40/200 (epoch 1)" in result["msg"]
     assert "job: wrote running" in result["msg"] and "supervisor: " in result["msg"]
@@ -318,9 +318,9 @@ def test_a_done_progress_on_node_0_wins_over_a_still_running_process():
 def test_the_deadline_fails_the_wait_and_says_the_job_keeps_running(jobs, capsys):
     record = jobs.start("running", "sleep")
 
-    code, result = run_module(module, jobs.args(wait_s=30, deadline=time.time() + 0.3), capsys)
+    code, result = run_module(module, jobs.args(wait_s=WAIT_S, deadline=time.time() + 0.3), capsys)
 
-    assert code == 1 and result["seconds"] < 5
+    assert code == 1 and result["seconds"] < WAIT_S, "the deadline, not wait_s, ended the wait"
     assert f"the job (PID {record['pid']}) keeps running, at step 40/200" in result["msg"]
     assert "eagle_training_timeout" in result["msg"]
 
