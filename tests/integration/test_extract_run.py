@@ -573,6 +573,37 @@ def test_bad_records_are_skipped_with_reason_and_line_and_the_rest_stored(refere
         assert all(torch.equal(got[name], want[name]) for name in want), sample_id
 
 
+def test_a_json_array_cut_off_in_its_last_record_stores_what_the_jsonl_run_stores(reference_run, dataset, servers,
+                                                                                   tmp_path):
+    # ShareGPT's shape: one pretty-printed array, cut off by a size limit inside its last record.
+    records = [json.loads(line) for line in dataset.read_text().splitlines()][: NUM_SAMPLES + 1]
+    data = json.dumps(records, indent=2).encode()
+    cut = data.rindex(b'"value": "') + 12
+    start = data.rindex(b"\n  {", 0, cut) + 3  # the last top-level element (nested ones are indented deeper)
+    path = tmp_path / "conversations.json"
+    path.write_bytes(data[:cut])
+    out = tmp_path / "from-array"
+
+    result = run_cli(extract_command(path, out, servers["main"].url, num_samples=NUM_SAMPLES + 1))
+
+    assert result.returncode == 0, result.stderr
+    ours, theirs = manifest(out), manifest(reference_run)
+    [skip] = ours["skipped"]
+    assert (skip["line"], skip["id"], skip["reason"]) == (data[:start].count(b"\n") + 1, None, "truncated")
+    assert f"the record that starts at byte {start}" in skip["detail"]
+    assert (ours["num_records"], ours["num_samples"], ours["failed"]) == (NUM_SAMPLES + 1, NUM_SAMPLES, [])
+    assert "1 skipped" in result.stderr
+    # The same samples in the same shards (ordinals count records alike); only the lines differ.
+    assert list(ours["shards"]) == list(theirs["shards"]) == SHARDS
+    for shard, entries in theirs["shards"].items():
+        got = [(e["file"], e["id"], e["tokens"], e["loss_tokens"]) for e in ours["shards"][shard]["files"]]
+        assert got == [(e["file"], e["id"], e["tokens"], e["loss_tokens"]) for e in entries["files"]]
+        for entry in entries["files"]:
+            stored, want = load_file(str(out / entry["file"])), load_file(str(reference_run / entry["file"]))
+            assert all(torch.equal(stored[name], want[name]) for name in want), entry["file"]
+    assert (out / "token_counts.safetensors").read_bytes() == (reference_run / "token_counts.safetensors").read_bytes()
+
+
 def test_too_many_bad_records_exit_2_before_anything_is_sent(dataset, servers, tmp_path):
     bad_corpus(dataset, tmp_path / "mixed.jsonl")
     out = tmp_path / "refused"
