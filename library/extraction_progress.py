@@ -1,17 +1,20 @@
 #!/usr/bin/python
-"""Ansible module extraction_progress: wait a while for an extraction part, and tell finished from dead."""
+"""Ansible module extraction_progress: wait a while for an extraction (or regeneration) part, and tell finished from dead."""
 
 from __future__ import absolute_import, division, print_function
 
 DOCUMENTATION = r"""
 ---
 module: extraction_progress
-short_description: Wait for an extraction part's progress, and fail at once when its job died
+short_description: Wait for an extraction (or regeneration) part's progress, and fail at once when its job died
 description:
   - Reads the progress file C(<output_dir>/parts/part-K-of-N.progress.json) that
     C(eagle3-pipeline extract --part K/N) rewrites about once a second, and returns its counts
     and a one-line summary in C(msg), e.g. C(412/1000 samples, 3 skipped, 0 failed, 5,210 tokens/s,
     about 0:03:12 left).
+  - With O(stage=regeneration) it follows C(eagle3-pipeline regenerate --part K/N) the same way,
+    whose progress file counts conversations and the assistant turns answered
+    (C(412/1000 conversations, 0 skipped, 0 failed, 655 turns, 5,210 tokens/s, ...)).
   - Polls for up to O(wait_s) seconds and returns early when the part reaches a final state or
     its state changes (e.g. the job's first report). Counters alone do not end the wait, so a
     task retried with C(until) prints one line per O(wait_s).
@@ -26,9 +29,14 @@ description:
   - Changes nothing.
 options:
   output_dir:
-    description: The extraction's output directory (the job's C(--output-dir)).
+    description: The extraction's (or regeneration's) output directory (the job's C(--output-dir)).
     type: path
     required: true
+  stage:
+    description: Which job writes the progress file; it names the job in messages.
+    type: str
+    choices: [extraction, regeneration]
+    default: extraction
   part_index:
     description: K of the part K/N, 0-based.
     type: int
@@ -106,8 +114,12 @@ part:
   returned: always
   type: str
   sample: 0/2
+turns:
+  description: Assistant turns answered so far (regeneration only; 0 for an extraction).
+  returned: always
+  type: int
 samples_total:
-  description: Samples (dataset records) of this part.
+  description: Samples (dataset records) of this part; for a regeneration, its conversations.
   returned: always
   type: int
 samples_done:
@@ -123,11 +135,11 @@ samples_failed:
   returned: always
   type: int
 tokens:
-  description: Tokens stored so far.
+  description: Tokens stored so far (a regeneration's, generated so far).
   returned: always
   type: int
 tokens_per_s:
-  description: The job's current rate, or null.
+  description: The job's current rate (stored tokens, or a regeneration's generated tokens, per second), or null.
   returned: always
   type: float
 eta_s:
@@ -184,6 +196,7 @@ def main():
     module = AnsibleModule(
         argument_spec=dict(
             output_dir=dict(type="path", required=True),
+            stage=dict(type="str", default="extraction", choices=["extraction", "regeneration"]),
             part_index=dict(type="int", default=0),
             part_count=dict(type="int", default=1),
             state_dir=dict(type="path"),
@@ -216,7 +229,7 @@ def main():
     result = dict(changed=False, finished=False, state="starting", part=label, progress_file=progress_file)
     try:
         (_progress, job, state, mine), seconds = wait_for_change(
-            lambda: read_status(progress_file, job_file), p["wait_s"], p["poll_s"], p["deadline"]
+            lambda: read_status(progress_file, job_file, p["stage"]), p["wait_s"], p["poll_s"], p["deadline"]
         )
     except ProgressError as exc:
         module.fail_json(msg="part %s: %s" % (label, exc), **result)
@@ -228,6 +241,7 @@ def main():
         samples_skipped=_number(mine, "skipped") or 0,
         samples_failed=_number(mine, "failed") or 0,
         tokens=_number(mine, "tokens") or 0,
+        turns=_number(mine, "turns") or 0,
         tokens_per_s=_number(mine, "tokens_per_s"),
         eta_s=_number(mine, "eta_s"),
         msg="part %s: %s" % (label, progress_line(mine)),
@@ -236,17 +250,19 @@ def main():
         seconds=seconds,
     )
     if state in ("failed", "stopped"):
-        module.fail_json(**dict(result, msg=failed_message(label, mine, p["name"], log_file, p["log_lines"])))
+        module.fail_json(**dict(result, msg=failed_message(label, mine, p["name"], log_file, p["log_lines"],
+                                                           p["stage"])))
     if state == "dead":
-        module.fail_json(**dict(result, msg=dead_message(label, mine, job, p["name"], log_file, p["log_lines"])))
+        module.fail_json(**dict(result, msg=dead_message(label, mine, job, p["name"], log_file, p["log_lines"],
+                                                         p["stage"])))
     if state != "done" and p["deadline"] is not None and time.time() >= p["deadline"]:
         running = " (PID %s)" % job.get("pid") if job else ""
         module.fail_json(
             **dict(
                 result,
                 msg="part %s was not done by the deadline; the job%s keeps running, at %s. Run the playbook again "
-                "to go on waiting (it attaches to the running job), or raise the timeout (extraction_timeout_s)"
-                % (label, running, progress_line(mine)),
+                "to go on waiting (it attaches to the running job), or raise the timeout (%s_timeout_s)"
+                % (label, running, progress_line(mine), p["stage"]),
             )
         )
     module.exit_json(**result)

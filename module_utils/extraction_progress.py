@@ -1,7 +1,9 @@
-"""Follow one extraction part: its progress file, and whether the job behind it still lives.
+"""Follow one extraction (or regeneration) part: its progress file, and whether the job behind it still lives.
 
 The extraction job (``eagle3-pipeline extract --part K/N``) rewrites
-``<output_dir>/parts/part-K-of-N.progress.json`` about once a second, atomically. It runs
+``<output_dir>/parts/part-K-of-N.progress.json`` about once a second, atomically; the
+regeneration job (``eagle3-pipeline regenerate --part K/N``) keeps the same file with the same
+fields, counting conversations (its ``unit``) and the assistant turns answered (``turns``). It runs
 under this project's supervisor, whose state file ``<state_dir>/<name>.json`` records the
 job's PID with its start time, its process group and, once it ended, its exit code.
 
@@ -54,7 +56,7 @@ def read_json(path):
     try:
         data = json.loads(raw.decode("utf-8"))
     except ValueError as exc:
-        raise ProgressError("%s is not valid JSON (%s); only the extraction job writes it" % (path, exc)) from None
+        raise ProgressError("%s is not valid JSON (%s); only the job itself writes it" % (path, exc)) from None
     if not isinstance(data, dict):
         raise ProgressError("%s holds %s, not a JSON object" % (path, type(data).__name__))
     return data
@@ -97,11 +99,16 @@ def _count(progress, key):
 
 def progress_line(progress):
     """One line for the operator, e.g.
-    ``412/1000 samples, 3 skipped, 0 failed, 5,210 tokens/s, about 0:03:12 left``."""
+    ``412/1000 samples, 3 skipped, 0 failed, 5,210 tokens/s, about 0:03:12 left``, or for a
+    regeneration ``412/1000 conversations, 3 skipped, 0 failed, 655 turns, 5,210 tokens/s, ...``."""
     if progress is None:
         return "waiting for the job's first progress report"
-    line = "%d/%d samples, %d skipped, %d failed" % (
-        _count(progress, "done"), _count(progress, "total"), _count(progress, "skipped"), _count(progress, "failed"))
+    unit = progress.get("unit")
+    line = "%d/%d %s, %d skipped, %d failed" % (
+        _count(progress, "done"), _count(progress, "total"), unit if isinstance(unit, str) and unit else "samples",
+        _count(progress, "skipped"), _count(progress, "failed"))
+    if "turns" in progress:
+        line += ", %d turns" % _count(progress, "turns")
     state = progress.get("state")
     if state == "done":
         return line + ", %s tokens: done" % format(_count(progress, "tokens"), ",d")
@@ -147,22 +154,25 @@ def assess(progress, job):
     return "dead", mine
 
 
-def dead_message(label, progress, job, job_name, log_file, log_lines=30):
-    """Why the part stopped without finishing: exit, progress message, the log's last lines."""
+def dead_message(label, progress, job, job_name, log_file, log_lines=30, stage="extraction"):
+    """Why the part stopped without finishing: exit, progress message, the log's last lines.
+
+    ``stage`` names the job (extraction, regeneration) in the message.
+    """
     if job is None:
-        what = "the extraction job (PID %s) of part %s no longer runs but its progress says %s" % (
-            (progress or {}).get("pid"), label, (progress or {}).get("state"))
+        what = "the %s job (PID %s) of part %s no longer runs but its progress says %s" % (
+            stage, (progress or {}).get("pid"), label, (progress or {}).get("state"))
     elif job.get("exit_code") is None:
         what = (
-            "the extraction job %s of part %s (PID %s) no longer runs and its supervisor recorded no exit "
-            "code: both were killed (SIGKILL, the OOM killer, a reboot?)" % (job_name, label, job.get("pid")))
+            "the %s job %s of part %s (PID %s) no longer runs and its supervisor recorded no exit "
+            "code: both were killed (SIGKILL, the OOM killer, a reboot?)" % (stage, job_name, label, job.get("pid")))
     elif job.get("exit_code") == 0:
         what = (
-            "the extraction job %s of part %s exited with code 0 but its progress file does not say done "
+            "the %s job %s of part %s exited with code 0 but its progress file does not say done "
             "(%s): is the venv's eagle3_pipeline the version this role expects?" % (
-                job_name, label, "no progress of this job" if progress is None else progress.get("state")))
+                stage, job_name, label, "no progress of this job" if progress is None else progress.get("state")))
     else:
-        what = "the extraction job %s of part %s %s" % (job_name, label, describe_exit(job.get("exit_code")))
+        what = "the %s job %s of part %s %s" % (stage, job_name, label, describe_exit(job.get("exit_code")))
     message = what
     if progress is not None:
         message += "; last progress: %s" % progress_line(progress)
@@ -172,11 +182,11 @@ def dead_message(label, progress, job, job_name, log_file, log_lines=30):
     return message + ". Last lines of %s:\n%s" % (log_file, log_tail(log_file, log_lines))
 
 
-def failed_message(label, progress, job_name, log_file, log_lines=30):
+def failed_message(label, progress, job_name, log_file, log_lines=30, stage="extraction"):
     """The part's job said it failed (or was stopped): its message, then the log's last lines."""
     state = progress.get("state")
-    message = "extraction part %s %s: %s" % (
-        label, "failed" if state == "failed" else "was stopped before it was done",
+    message = "%s part %s %s: %s" % (
+        stage, label, "failed" if state == "failed" else "was stopped before it was done",
         progress.get("message") or "(no message in the progress file)")
     if job_name:
         message += " (job %s)" % job_name
@@ -185,7 +195,7 @@ def failed_message(label, progress, job_name, log_file, log_lines=30):
     return message + ". Last lines of %s:\n%s" % (log_file, log_tail(log_file, log_lines))
 
 
-def read_status(progress_file, job_file=None):
+def read_status(progress_file, job_file=None, stage="extraction"):
     """One look: (progress dict or None, supervisor record or None, state, this job's progress or None).
 
     With ``job_file`` (the supervisor's state file) the record must exist: the caller started
@@ -197,8 +207,8 @@ def read_status(progress_file, job_file=None):
         job = read_json(job_file)
         if job is None:
             raise ProgressError(
-                "no supervisor record %s: the extraction job was never started under that name and state "
-                "directory; start it (the extraction role does) before waiting for it" % job_file)
+                "no supervisor record %s: the %s job was never started under that name and state "
+                "directory; start it (the %s role does) before waiting for it" % (job_file, stage, stage))
     state, mine = assess(progress, job)
     return progress, job, state, mine
 

@@ -4,10 +4,14 @@
 ``GenerateOutcome``: one right-padded prefill for the whole batch (attention mask over the
 padding; each request's rows sliced out without padding), the request's capture written with
 the project's writer right after the prefill, then decoding of every request of the batch
-together with the KV cache, each row at its own positions. ``BatchWorker`` is the one thread
-that owns the model: it takes jobs from a queue, groups what is queued and, under concurrent
-load, what arrives within ``batch_wait_ms`` (up to ``max_batch_size``), and resolves each job's
-future once its capture is on disk.
+together with the KV cache, each row at its own positions: one forward, one argmax over the
+batch and one host copy per step (``DecodeBatch``). A row leaves the batch as soon as it ends,
+its cache row with it. ``BatchWorker`` is the one thread that owns the model: it takes jobs from
+a queue, groups what is queued and, under concurrent load, what arrives within
+``batch_wait_ms`` (up to ``max_batch_size``), and between two decode steps admits what has
+queued since into the running batch (continuous batching: a prefill of the newcomers, whose
+cache rows then join the others'); it resolves each job's future as soon as that job ends and
+its capture is on disk.
 
 Hidden-state conventions (checked against transformers 5.24's ``LlamaModel`` and
 ``utils/output_capturing.capture_outputs``):
@@ -120,6 +124,31 @@ class PrefillRow:
     logits_start: int
 
 
+@dataclass(eq=False)
+class DecodeRow:
+    """One request while it decodes: what it feeds next (``token`` at ``position``) and its outcome."""
+
+    job: GenerateJob
+    outcome: GenerateOutcome
+    generator: object | None  # torch.Generator of a sampled request; None for greedy
+    position: int  # position id of the next token fed to the model
+    token: int = 0  # the token chosen last, fed at the next step
+
+
+@dataclass(eq=False)
+class DecodeBatch:
+    """Requests decoding together: their rows, the KV cache, and the attention mask over its columns.
+
+    Row ``b`` of the cache and mask belongs to ``rows[b]``. A column is 1 in a row's mask where
+    that row has a key there; the zeros are the right padding of a prefill and the columns a row
+    that joined mid-decode never had. Each row goes on at its own ``position``.
+    """
+
+    rows: list[DecodeRow]
+    cache: object  # transformers DynamicCache, [B, heads, columns, head_dim] per layer; None once empty
+    mask: object  # torch.Tensor [B, columns]
+
+
 def _answer(job, outcome: GenerateOutcome, write: Future | None = None) -> None:
     """Resolve a job's future once its capture (if any) is written; a failed write fails it alone."""
     if write is not None:
@@ -131,11 +160,6 @@ def _answer(job, outcome: GenerateOutcome, write: Future | None = None) -> None:
         job.future.set_exception(outcome.error)
     else:
         job.future.set_result(outcome)
-
-
-def _top(logprobs_row, k: int) -> list[tuple[float, int]]:
-    values, indices = logprobs_row.topk(k)
-    return list(zip(values.tolist(), indices.tolist()))
 
 
 class ModelRunner:
@@ -381,11 +405,20 @@ class ModelRunner:
     # -- the whole batch -----------------------------------------------------------------
     def run_batch(self, jobs: list[GenerateJob]) -> list[GenerateOutcome]:
         """Prefill (capturing each request), then decode every job to its stop; outcomes in job order."""
+        batch, finished = self.start(jobs)
+        outcomes = {id(row.job): row.outcome for row in (*batch.rows, *finished)}
+        while batch.rows:
+            self.step(batch)
+        return [outcomes[id(job)] for job in jobs]
+
+    def start(self, jobs: list[GenerateJob]) -> tuple[DecodeBatch, list[DecodeRow]]:
+        """Prefill ``jobs`` as one batch (captures written off this thread), choose each one's first
+        token; return (the batch of those still decoding, the rows already finished)."""
         torch = self.torch
         with torch.inference_mode():
-            rows, cache, mask, lengths = self.prefill(jobs)
-            outcomes = []
-            for job, row in zip(jobs, rows):
+            prefilled, cache, mask, lengths = self.prefill(jobs)
+            rows = []
+            for job, row, length in zip(jobs, prefilled, lengths):
                 outcome = GenerateOutcome(output_ids=[], finish_reason={"type": "length", "length": 0})
                 if job.capture and self.capture_dir is not None:
                     from eagle3_pipeline.capture.writer import write_capture  # noqa: PLC0415
@@ -401,9 +434,114 @@ class ModelRunner:
                     outcome.output_token_logprobs = []
                     if job.top_logprobs_num > 0:
                         outcome.output_top_logprobs = []
-                outcomes.append(outcome)
-            self._decode(jobs, rows, outcomes, cache, mask, lengths)
-        return outcomes
+                rows.append(DecodeRow(job, outcome, self._generator(job.sampling), length))
+            batch = DecodeBatch(rows, cache, mask)
+            wanting = [b for b, row in enumerate(rows) if row.job.sampling.max_new_tokens > 0]
+            if len(wanting) < len(rows):  # max_new_tokens 0: prefill only, no output token
+                batch.rows = [rows[b] for b in wanting]
+                self._keep_rows(batch, wanting)
+            finished = [row for row in rows if row.job.sampling.max_new_tokens <= 0]
+            if batch.rows:
+                # The logits of each prompt's last position choose its first output token.
+                logits = torch.stack([prefilled[b].logits[-1] for b in wanting])
+                finished += self._advance(batch, logits)
+        return batch, finished
+
+    def step(self, batch: DecodeBatch) -> list[DecodeRow]:
+        """One decode forward for every row of ``batch`` (each at its own position), then one token
+        each; finished rows leave the batch (and their cache rows with them). Returns those rows."""
+        torch = self.torch
+        with torch.inference_mode():
+            size = len(batch.rows)
+            batch.mask = torch.cat([batch.mask, torch.ones((size, 1), dtype=batch.mask.dtype, device=self.device)], 1)
+            out, _ = self._run_decoder(
+                input_ids=torch.tensor([[row.token] for row in batch.rows], device=self.device),
+                attention_mask=batch.mask,
+                position_ids=torch.tensor([[row.position] for row in batch.rows], device=self.device),
+                cache=batch.cache,
+            )
+            for row in batch.rows:
+                row.position += 1
+            logits = self.lm_head(out.last_hidden_state[:, -1]).float()  # [B, V]
+            return self._advance(batch, logits)
+
+    def can_merge(self, batch: DecodeBatch) -> bool:
+        """Whether another batch's rows can join ``batch`` mid-decode: its cache is plain growing
+        key/value tensors per layer (sliding-window or static layers keep positions of their own)."""
+        from transformers.cache_utils import DynamicLayer  # noqa: PLC0415
+
+        layers = getattr(batch.cache, "layers", None)
+        return bool(layers) and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers)
+
+    def merge(self, batch: DecodeBatch, other: DecodeBatch) -> DecodeBatch:
+        """``other``'s rows join ``batch`` (both ``can_merge``): caches and masks padded to the same
+        number of columns with masked-out zeros, then stacked. Positions stay per row, and a
+        decode step attends only to unmasked columns, so a row's output does not change."""
+        torch = self.torch
+        if not other.rows:
+            return batch
+        if not batch.rows:
+            return other
+        with torch.inference_mode():
+            width = max(batch.mask.shape[1], other.mask.shape[1])
+
+            def widen(tensor, dim):
+                missing = width - tensor.shape[dim]
+                if missing == 0:
+                    return tensor
+                shape = list(tensor.shape)
+                shape[dim] = missing
+                return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
+
+            for mine, theirs in zip(batch.cache.layers, other.cache.layers):
+                mine.keys = torch.cat([widen(mine.keys, 2), widen(theirs.keys, 2)])
+                mine.values = torch.cat([widen(mine.values, 2), widen(theirs.values, 2)])
+            batch.mask = torch.cat([widen(batch.mask, 1), widen(other.mask, 1)])
+            batch.rows = batch.rows + other.rows
+        return batch
+
+    def _generator(self, sampling: SamplingConfig):
+        if sampling.greedy:
+            return None
+        generator = self.torch.Generator()
+        generator.manual_seed(sampling.sampling_seed if sampling.sampling_seed is not None else self.torch.seed())
+        return generator
+
+    def _advance(self, batch: DecodeBatch, logits) -> list[DecodeRow]:
+        """Choose each row's next token from its logits [B, V] and record it; drop and return the rows
+        that finished with it."""
+        tokens = self._choose_tokens(logits, batch.rows)
+        self._record_tokens(logits, batch.rows, tokens)
+        keep, finished = [], []
+        for b, (row, token) in enumerate(zip(batch.rows, tokens)):
+            row.token = token
+            if self._finished(row.job, row.outcome, token):
+                finished.append(row)
+            else:
+                keep.append(b)
+        if finished:
+            batch.rows = [batch.rows[b] for b in keep]
+            self._keep_rows(batch, keep)
+        return finished
+
+    def _keep_rows(self, batch: DecodeBatch, keep: list[int]) -> None:
+        """Keep only rows ``keep`` of the cache and mask; drop the columns no row attends to any more."""
+        torch = self.torch
+        if not keep:
+            batch.mask = batch.mask[:0]
+            batch.cache = None  # nothing decodes: the memory goes now
+            return
+        index = torch.tensor(keep, device=self.device)
+        batch.mask = batch.mask.index_select(0, index)
+        batch.cache.batch_select_indices(index)
+        if self.can_merge(batch):
+            used = batch.mask.any(0)
+            if not bool(used.all()):
+                columns = used.nonzero().squeeze(1)
+                batch.mask = batch.mask.index_select(1, columns)
+                for layer in batch.cache.layers:
+                    layer.keys = layer.keys.index_select(2, columns)
+                    layer.values = layer.values.index_select(2, columns)
 
     def _input_logprobs(self, job: GenerateJob, row: PrefillRow, outcome: GenerateOutcome) -> None:
         """SGLang's input logprob layout (logprob_result_processor): entry j is for token s + j,
@@ -446,51 +584,37 @@ class ModelRunner:
         probs = scores.softmax(-1).cpu()
         return int(torch.multinomial(probs, 1, generator=generator))
 
-    def _decode(self, jobs, rows, outcomes, cache, mask, lengths) -> None:
-        torch = self.torch
-        generators = []
-        for job in jobs:
-            generator = None
-            if not job.sampling.greedy:
-                generator = torch.Generator()
-                seed = job.sampling.sampling_seed
-                generator.manual_seed(seed if seed is not None else torch.seed())
-            generators.append(generator)
-        active = [job.sampling.max_new_tokens > 0 for job in jobs]
-        last_logits = [row.logits[-1] for row in rows]  # logits of the last prompt position
-        step = 0
-        while any(active):
-            next_ids = []
-            for b, job in enumerate(jobs):
-                token = 0
-                if active[b]:
-                    token = self._choose(last_logits[b], job.sampling, generators[b])
-                    self._record(job, outcomes[b], last_logits[b], token)
-                    active[b] = not self._finished(job, outcomes[b], token)
-                next_ids.append(token)
-            if not any(active):
-                break
-            # One decode step for the whole batch: each row at its own next position; the right
-            # padding of the prefill stays masked out.
-            positions = torch.tensor([[lengths[b] + step] for b in range(len(jobs))], device=self.device)
-            mask = torch.cat([mask, torch.ones((len(jobs), 1), dtype=mask.dtype, device=self.device)], dim=1)
-            out, _ = self._run_decoder(
-                input_ids=torch.tensor(next_ids, device=self.device).unsqueeze(1),
-                attention_mask=mask,
-                position_ids=positions,
-                cache=cache,
-            )
-            logits = self.lm_head(out.last_hidden_state[:, -1]).float()  # [B, V]
-            last_logits = list(logits)
-            step += 1
+    def _choose_tokens(self, logits, rows: list[DecodeRow]) -> list[int]:
+        """Each row's next token: one argmax over the batch and one host copy for the greedy rows
+        (a sync per row per step would stall the device); sampled rows draw with their own generator."""
+        tokens = logits.argmax(-1).tolist()
+        for b, row in enumerate(rows):
+            if not row.job.sampling.greedy:
+                tokens[b] = self._choose(logits[b], row.job.sampling, row.generator)
+        return tokens
 
-    def _record(self, job: GenerateJob, outcome: GenerateOutcome, logits_row, token: int) -> None:
-        outcome.output_ids.append(token)
-        if job.return_logprob:
-            logprobs = logits_row.log_softmax(-1)
-            outcome.output_token_logprobs.append((float(logprobs[token]), token))
-            if job.top_logprobs_num > 0:
-                outcome.output_top_logprobs.append(_top(logprobs, min(job.top_logprobs_num, self.vocab_size)))
+    def _record_tokens(self, logits, rows: list[DecodeRow], tokens: list[int]) -> None:
+        """Append each row's token, with its logprob (and top logprobs) where the request asked."""
+        torch = self.torch
+        wanting = [b for b, row in enumerate(rows) if row.job.return_logprob]
+        values: list[float] = []
+        tops: list[list[tuple[float, int]]] = []
+        if wanting:
+            logprobs = logits[torch.tensor(wanting, device=logits.device)].log_softmax(-1)  # [W, V]
+            chosen = torch.tensor([tokens[b] for b in wanting], device=logits.device)
+            values = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+            k = min(max(rows[b].job.top_logprobs_num for b in wanting), self.vocab_size)
+            if k > 0:
+                top_values, top_ids = logprobs.topk(k, dim=-1)
+                tops = [list(zip(v, i)) for v, i in zip(top_values.tolist(), top_ids.tolist())]
+        at = {b: i for i, b in enumerate(wanting)}
+        for b, row in enumerate(rows):
+            row.outcome.output_ids.append(tokens[b])
+            if b in at:
+                row.outcome.output_token_logprobs.append((values[at[b]], tokens[b]))
+                if row.job.top_logprobs_num > 0:
+                    row.outcome.output_top_logprobs.append(tops[at[b]][: min(row.job.top_logprobs_num,
+                                                                                 self.vocab_size)])
 
     def _finished(self, job: GenerateJob, outcome: GenerateOutcome, token: int) -> bool:
         """SGLang's finish reasons: a stop token is FINISH_MATCHED_TOKEN, the budget FINISH_LENGTH."""
@@ -517,8 +641,9 @@ class BatchWorker:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="model-worker", daemon=True)
         self._last_batch_size = 0
-        self.batches = 0
-        self.requests = 0
+        self.batches = 0  # prefills run
+        self.requests = 0  # requests answered
+        self.admitted = 0  # requests that joined a batch already decoding
 
     def start(self) -> BatchWorker:
         """Start the worker thread."""
@@ -557,30 +682,70 @@ class BatchWorker:
         self._last_batch_size = len(batch)
         return batch
 
-    def _loop(self) -> None:
-        while True:
-            batch = self._next_batch()
-            if batch is None:
-                if self._stopping.is_set():
-                    return
-                continue
-            started = time.monotonic()
+    def _waiting(self, room: int) -> list[GenerateJob]:
+        """Up to ``room`` jobs queued now (no waiting: the running batch must not stall)."""
+        jobs: list[GenerateJob] = []
+        while len(jobs) < room:
             try:
-                outcomes = self.runner.run_batch(batch)
-            except Exception as exc:  # noqa: BLE001 - one failed batch must not stop the server
-                LOG.exception("batch of %d request(s) failed: %s", len(batch), exc)
-                for job in batch:
-                    job.future.set_exception(exc)
+                jobs.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return jobs
+
+    def _finish(self, rows: list[DecodeRow]) -> None:
+        for row in rows:
+            if row.outcome.capture_write is None:
+                _answer(row.job, row.outcome)
+            else:
+                row.outcome.capture_write.add_done_callback(partial(_answer, row.job, row.outcome))
+        self.requests += len(rows)
+
+    def _start(self, jobs: list[GenerateJob]) -> DecodeBatch | None:
+        """Prefill ``jobs``; answer those that end there; the batch of the others (None on failure)."""
+        started = time.monotonic()
+        try:
+            batch, finished = self.runner.start(jobs)
+        except Exception as exc:  # noqa: BLE001 - one failed batch must not stop the server
+            LOG.exception("prefill of %d request(s) failed: %s", len(jobs), exc)
+            for job in jobs:
+                job.future.set_exception(exc)
+            return None
+        self.batches += 1
+        self._finish(finished)
+        LOG.debug("prefill of %d request(s), %d prompt tokens, in %.1f ms", len(jobs),
+                  sum(len(job.input_ids) for job in jobs), 1000 * (time.monotonic() - started))
+        return batch
+
+    def _loop(self) -> None:
+        running: DecodeBatch | None = None
+        while True:
+            if running is None:
+                jobs = self._next_batch()
+                if jobs is None:
+                    if self._stopping.is_set():
+                        return
+                    continue
+                running = self._start(jobs)
+            elif self.runner.can_merge(running):
+                jobs = self._waiting(self.max_batch_size - len(running.rows))
+                if jobs:
+                    joining = self._start(jobs)
+                    if joining is not None and joining.rows:
+                        self.admitted += len(joining.rows)
+                        running = self.runner.merge(running, joining)
+            if running is None or not running.rows:
+                running = None
                 continue
-            for job, outcome in zip(batch, outcomes):
-                if outcome.capture_write is None:
-                    _answer(job, outcome)
-                else:
-                    outcome.capture_write.add_done_callback(partial(_answer, job, outcome))
-            self.batches += 1
-            self.requests += len(batch)
-            LOG.debug("batch of %d request(s), %d prompt tokens, in %.1f ms", len(batch),
-                      sum(len(job.input_ids) for job in batch), 1000 * (time.monotonic() - started))
+            try:
+                self._finish(self.runner.step(running))
+            except Exception as exc:  # noqa: BLE001 - the server stays up; these requests fail
+                LOG.exception("decode step of %d request(s) failed: %s", len(running.rows), exc)
+                for row in running.rows:
+                    row.job.future.set_exception(exc)
+                running = None
+                continue
+            if not running.rows:
+                running = None
 
     def stop(self, grace_s: float = 30.0) -> int:
         """Finish queued and running jobs within ``grace_s``; fail what is left; return how many failed."""

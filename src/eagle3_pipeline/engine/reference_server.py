@@ -6,8 +6,10 @@ the deprecated ``/get_model_info``, ``/get_server_info``) and ``/generate`` (POS
 writes each request's prefill hidden states with ``capture.writer.write_capture`` to
 ``<capture_dir>/<rid>.safetensors`` before the HTTP response is sent: a client that has the
 response can read the file. The model runs in one worker thread that prefills concurrent
-requests as one right-padded batch (``engine/batcher.py``); request checking and response
-shapes are in ``engine/api.py``.
+requests as one right-padded batch and decodes them together, admitting requests that arrive
+meanwhile into the running decode (``engine/batcher.py``); request checking and response
+shapes are in ``engine/api.py``. Without ``--capture-dir`` it captures nothing: a server for
+serving (regeneration), not for extraction.
 
 Conventions of this engine:
 
@@ -241,6 +243,7 @@ class ReferenceEngine:
             "hidden_size": runner.hidden_size,
             "vocab_size": runner.vocab_size,
             "max_batch_size": self.worker.max_batch_size,
+            "continuous_batching": True,
             "batch_wait_ms": self.settings.get("batch_wait_ms"),
             "api_key_required": self.api_key is not None,
         }
@@ -381,7 +384,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="auto: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--max-batch-size", type=int, default=8, help="most requests prefilled together")
+    parser.add_argument("--max-batch-size", type=int, default=8,
+                        help="most requests decoding together (requests that arrive while a batch decodes join it "
+                        "up to this size); the serving mode of the sglang_server role sets 64")
     parser.add_argument("--batch-wait-ms", type=float, default=5.0,
                         help="how long the worker waits for more requests to join a batch")
     parser.add_argument("--api-key-env", default=None, metavar="NAME",
@@ -457,8 +462,8 @@ def run(args: argparse.Namespace) -> int:
     failed = worker.stop(args.shutdown_grace_s)
     engine.wait_idle(5.0)  # handlers write their responses (or errors)
     server.server_close()
-    LOG.info("stopped: %d request(s) served in %d batch(es); %d failed at shutdown",
-             worker.requests, worker.batches, failed)
+    LOG.info("stopped: %d request(s) served in %d batch(es), %d of them joined a running decode; %d failed at "
+             "shutdown", worker.requests, worker.batches, worker.admitted, failed)
     return 0
 
 

@@ -83,7 +83,8 @@ def _progress_lines(data_dir: Path) -> tuple[list[str], bool]:
         age = time.time() - doc["updated"]
         stale = f" (no update for {age:.0f} s)" if doc["state"] == "running" and age > 30 else ""
         lines.append(f"part {doc['part']} {doc['state']:>8} [{'#' * filled}{'.' * (30 - filled)}] "
-                     f"{doc['done']}/{doc['total']} samples, {doc['failed']} failed, {doc['skipped']} skipped, "
+                     f"{doc['done']}/{doc['total']} {doc.get('unit', 'samples')}, {doc['failed']} failed, "
+                     f"{doc['skipped']} skipped, "
                      f"{doc['tokens_per_s']:,.0f} tokens/s, {eta_text} left{stale}"
                      + (f"\n    {doc['message']}" if doc.get("message") else ""))
     return lines, running
@@ -94,7 +95,7 @@ def run_progress(args: argparse.Namespace) -> int:
     while True:
         lines, running = _progress_lines(args.data_dir)
         if not lines:
-            print(f"{args.data_dir}: no extraction progress there yet", file=sys.stderr)
+            print(f"{args.data_dir}: no extraction (or regeneration) progress there yet", file=sys.stderr)
             return 1
         print("\n".join(lines), flush=True)
         if not (args.follow and running):

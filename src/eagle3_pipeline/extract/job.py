@@ -41,6 +41,7 @@ from pathlib import Path
 
 from eagle3_pipeline.checksum import file_sha256
 from eagle3_pipeline.models.config import read_text_config
+from eagle3_pipeline.progress_file import ProgressReporter
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_UNREACHABLE, EXIT_STOPPED = 0, 1, 2, 3, 4
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -283,14 +284,14 @@ def check_room(cfg: ExtractConfig, plan: Plan) -> None:
             )
 
 
-class Progress:
+class Progress(ProgressReporter):
     """The part's progress file (rewritten at most once a second) and the terminal's progress line."""
 
     def __init__(self, cfg: ExtractConfig, plan: Plan):
         from eagle3_pipeline.extract.store import PARTS_DIR, part_name  # noqa: PLC0415
 
         index, count = cfg.part
-        self.path = cfg.output_dir / PARTS_DIR / f"{part_name(index, count)}.progress.json"
+        super().__init__(cfg.output_dir / PARTS_DIR / f"{part_name(index, count)}.progress.json", cfg.quiet, "extract")
         self.cfg = cfg
         self.total = len(plan.prepared)
         self.done = len(plan.done)
@@ -301,10 +302,6 @@ class Progress:
         self.tokens_todo = sum(len(p.input_ids) for p in plan.todo)
         self.started = time.time()
         self._clock = time.monotonic()
-        self._written = 0.0
-        self._write_failed = False
-        self._printed = 0.0
-        self._tty = sys.stderr.isatty()
         self.state = "running"
         self.message = ""
         self.part = f"{index}/{count}"
@@ -323,25 +320,6 @@ class Progress:
                 0.0 if left <= 0 else None),
             "started": self.started, "updated": time.time(), "message": self.message,
         }
-
-    def update(self, force: bool = False) -> None:
-        from eagle3_pipeline.atomic import atomic_write_text  # noqa: PLC0415
-
-        now = time.monotonic()
-        if force or now - self._written >= 1.0:
-            self._written = now
-            try:
-                atomic_write_text(self.path, json.dumps(self.document(), sort_keys=True) + "\n")
-            except OSError as exc:  # a full disk must end the run with its message, not a traceback here
-                if not self._write_failed:
-                    _log(self.cfg, f"cannot write {self.path}: {exc}")
-                self._write_failed = True
-        if self.cfg.quiet:
-            return
-        if force or (self._tty and now - self._printed >= 0.5) or now - self._printed >= 30:
-            self._printed = now
-            print(("\r" if self._tty else "") + self.line(), end="" if self._tty and not force else "\n",
-                  file=sys.stderr, flush=True)
 
     def line(self) -> str:
         doc = self.document()
@@ -496,9 +474,10 @@ def _remove_stale_captures(cfg: ExtractConfig) -> None:
         entry.unlink(missing_ok=True)
 
 
-def lock_part(cfg: ExtractConfig):
-    """Hold ``parts/part-K-of-N.lock``: a second run of the same part would send the same samples
-    and remove the first one's temp files. Raises ``StoreError`` naming the holder."""
+def lock_part(cfg, what: str = "extraction"):
+    """Hold ``parts/part-K-of-N.lock`` of ``cfg.output_dir`` for part ``cfg.part``: a second run of the
+    same part would send the same samples (or conversations) and remove the first one's temp
+    files. Raises ``StoreError`` naming the holder; ``what`` names the job in that message."""
     import fcntl  # noqa: PLC0415
 
     from eagle3_pipeline.extract.store import PARTS_DIR, StoreError, part_name  # noqa: PLC0415
@@ -513,7 +492,7 @@ def lock_part(cfg: ExtractConfig):
         holder = handle.read().strip() or "unknown"
         handle.close()
         raise StoreError(
-            f"another extraction of part {cfg.part[0]}/{cfg.part[1]} runs on {cfg.output_dir} (pid {holder}); "
+            f"another {what} of part {cfg.part[0]}/{cfg.part[1]} runs on {cfg.output_dir} (pid {holder}); "
             "wait for it (eagle3-pipeline progress DIR) or stop it first"
         ) from None
     handle.seek(0)
@@ -762,7 +741,8 @@ def check_status(cfg: ExtractConfig, offline: bool = False, engine: str | None =
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``eagle3-pipeline extract``."""
-    parser.add_argument("--dataset", type=Path, required=True, help="JSONL: ShareGPT conversations or OpenAI messages")
+    parser.add_argument("--dataset", type=Path, required=True,
+                        help="JSONL, or one JSON array: ShareGPT conversations or OpenAI messages")
     parser.add_argument("--output-dir", type=Path, required=True)
     parser.add_argument("--server-url", required=True, help="http://HOST:PORT of the capturing server")
     parser.add_argument("--api-key-env", metavar="NAME", help="read the server's API key from this variable")

@@ -86,21 +86,22 @@ def write_sample(path: Path, input_ids: torch.Tensor, loss_mask: torch.Tensor, a
 
 
 # -- the settings lock --------------------------------------------------------------------
-def claim_settings(out_dir: Path, settings: dict, create: bool = True) -> bool:
-    """Record ``settings`` in ``D/extraction.json``, or check that they match the recorded ones.
+def claim_settings(out_dir: Path, settings: dict, create: bool = True, *, file_name: str = SETTINGS_FILE,
+                   what: str = "data extracted") -> bool:
+    """Record ``settings`` in ``D/extraction.json`` (or ``file_name``), or check that they match the recorded ones.
 
     Returns True when this call created the file. Refuses (``StoreError`` naming every field
     that differs) to mix data made with other settings in one directory. ``create=False``
-    only compares (when the file exists).
+    only compares (when the file exists). ``what`` says what the directory holds, in that message.
     """
-    path = out_dir / SETTINGS_FILE
+    path = out_dir / file_name
     text = json.dumps(settings, indent=2, sort_keys=True) + "\n"
     if not create and not path.exists():
         return False
     out_dir.mkdir(parents=True, exist_ok=True)
     # Written whole beside it, then linked into place: link fails if another host (or run) got
     # there first, and no reader ever sees a half-written file.
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{SETTINGS_FILE}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{file_name}.", suffix=".tmp")
     with os.fdopen(fd, "w") as handle:
         handle.write(text)
     os.chmod(tmp, 0o644)
@@ -113,7 +114,7 @@ def claim_settings(out_dir: Path, settings: dict, create: bool = True) -> bool:
         if differ:
             lines = "; ".join(f"{key}: recorded {recorded.get(key)!r}, now {settings.get(key)!r}" for key in differ)
             raise StoreError(
-                f"{out_dir} holds data extracted with other settings ({lines}); use another output directory, "
+                f"{out_dir} holds {what} with other settings ({lines}); use another output directory, "
                 "or delete that one to start over"
             ) from None
         return False

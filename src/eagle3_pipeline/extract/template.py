@@ -121,6 +121,15 @@ class ChatRenderer:
             spans.append((start, start + len(through[start:].rstrip())))
         return spans
 
+    def generation_prompt_ids(self, messages) -> list[int]:
+        """Token ids of ``messages`` rendered with the generation prompt: what the model reads before it
+        writes the next assistant turn, tokenized as ``render`` tokenizes (no added special tokens).
+
+        Raises SampleError("template_error") when the template fails on these messages.
+        """
+        text = self._text([dict(message) for message in messages], add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+
     def render(self, messages) -> tuple[list[int], list[int]]:
         """``(input_ids, loss_mask)`` of a conversation of ``{"role", "content"}`` dicts; same length.
 

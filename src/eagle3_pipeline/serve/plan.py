@@ -2,8 +2,11 @@
 
 One call turns the role's variables into the exact argv to run, the live ``/server_info``
 values that prove the capture settings took effect, the aux layers and sizes a probe checks,
-and the probe's token ids. The role runs ``python -m eagle3_pipeline.serve.plan --json ...``
-on the host and only acts on the result, so all the logic is here, in tested Python.
+and the probe's token ids. A server for serving (``purpose`` "serve", the regeneration's) gets
+none of the capture: the engine's own defaults (radix cache and CUDA graphs on), no aux hidden
+states, no hook, no capture directory, no probe; its live settings are checked for exactly that.
+The role runs ``python -m eagle3_pipeline.serve.plan --json ...`` on the host and only acts on
+the result, so all the logic is here, in tested Python.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from eagle3_pipeline.capture.layers import check_aux_layers, default_aux_layers
 from eagle3_pipeline.models.config import text_config
 
 ENGINES = ("sglang", "reference")
+PURPOSES = ("capture", "serve")
+# The reference engine's batch for serving: regeneration keeps many conversations in flight.
+SERVE_MAX_BATCH_SIZE = 64
 # A probe prompt of 32 token ids that exist in any vocabulary larger than 64.
 PROBE_INPUT_IDS = list(range(16, 48))
 # Flags of the reference engine that the role sets itself; extras may not repeat them.
@@ -44,8 +50,9 @@ def read_model_config(model_path: str) -> dict:
 
 
 def reference_argv(python: str, model_path: str, host: str, port: int, aux_layers: list[int], capture_dir: str,
-                   device: str, api_key: bool, extra_args: list[str]) -> list[str]:
-    """The reference engine's command line."""
+                   device: str, api_key: bool, extra_args: list[str], purpose: str = "capture") -> list[str]:
+    """The reference engine's command line; for serving, without a capture directory and with a
+    large batch (an extra ``--max-batch-size`` given after it wins)."""
     for arg in extra_args:
         flag = arg.split("=", 1)[0]
         if flag in REFERENCE_OWN_FLAGS:
@@ -53,8 +60,12 @@ def reference_argv(python: str, model_path: str, host: str, port: int, aux_layer
                 f"sglang_server_extra_args: {flag} is set by the role itself; use the matching sglang_server_* variable"
             )
     argv = [python, "-m", "eagle3_pipeline.cli", "serve-reference", "--model-path", model_path, "--host", host,
-            "--port", str(port), "--capture-dir", capture_dir, "--aux-layers", ",".join(map(str, aux_layers)),
-            "--device", device]
+            "--port", str(port)]
+    if purpose == "capture":
+        argv += ["--capture-dir", capture_dir, "--aux-layers", ",".join(map(str, aux_layers))]
+    else:
+        argv += ["--max-batch-size", str(SERVE_MAX_BATCH_SIZE)]
+    argv += ["--device", device]
     if api_key:
         argv += ["--api-key-env", API_KEY_ENV]
     return argv + list(extra_args)
@@ -62,8 +73,11 @@ def reference_argv(python: str, model_path: str, host: str, port: int, aux_layer
 
 def server_plan(engine: str, python: str, model_path: str, host: str, port: int, capture_dir: str,
                 aux_layers: list[int] | None = None, tp_size: int = 1, device: str = "auto",
-                api_key_file: str | None = None, extra_args: list[str] | None = None) -> dict:
+                api_key_file: str | None = None, extra_args: list[str] | None = None,
+                purpose: str = "capture") -> dict:
     """Build the plan (a JSON-ready dict) or raise PlanError.
+
+    ``purpose`` "capture" (the extraction's server) or "serve" (answers only: see the module docstring).
 
     ``api_key_file`` is where the role will write the API key (never argv): for the reference
     engine an env file handed to the supervisor, for SGLang (which reads no key from the
@@ -72,6 +86,8 @@ def server_plan(engine: str, python: str, model_path: str, host: str, port: int,
     api_key = api_key_file is not None
     if engine not in ENGINES:
         raise PlanError(f"sglang_server_engine: {engine!r} is not one of {', '.join(ENGINES)}")
+    if purpose not in PURPOSES:
+        raise PlanError(f"sglang_server_purpose: {purpose!r} is not one of {', '.join(PURPOSES)}")
     if not 1 <= port <= 65535:
         raise PlanError(f"sglang_server_port: {port} is not a TCP port")
     extra_args = [str(a) for a in (extra_args or [])]
@@ -85,20 +101,32 @@ def server_plan(engine: str, python: str, model_path: str, host: str, port: int,
     if engine == "reference":
         if tp_size != 1:
             raise PlanError("sglang_server_tp_size: the reference engine runs on one device; set it to 1")
-        argv = reference_argv(python, model_path, host, port, aux, capture_dir, device, api_key, extra_args)
-        expected = {
-            "engine": "reference",
-            "model_path": model_path,
-            "disable_radix_cache": True,
-            "chunked_prefill_size": -1,
-            "enable_return_aux_hidden_states": True,
-            "aux_layers": aux,
-        }
+        argv = reference_argv(python, model_path, host, port, aux, capture_dir, device, api_key, extra_args, purpose)
+        if purpose == "capture":
+            expected = {
+                "engine": "reference",
+                "model_path": model_path,
+                "disable_radix_cache": True,
+                "chunked_prefill_size": -1,
+                "enable_return_aux_hidden_states": True,
+                "aux_layers": aux,
+            }
+        else:
+            expected = {"engine": "reference", "model_path": model_path, "enable_return_aux_hidden_states": False,
+                        "capture_dir": None}
         secret_format = "env" if api_key else None
     else:
         from eagle3_pipeline.serve import sglang_command  # noqa: PLC0415 - only for the sglang engine
 
         model_type = config.get("model_type") or text.get("model_type")
+        if purpose == "serve":
+            try:
+                argv = sglang_command.serve_launch_argv(python, model_path, host, port, tp_size, extra_args,
+                                                        api_key_file)
+            except ValueError as exc:
+                raise PlanError(f"sglang_server_extra_args: {exc}") from exc
+            return _plan(engine, purpose, argv, api_key_file, "sglang_config" if api_key else None,
+                         sglang_command.expected_serve_server_info(model_path, port, tp_size), aux, num_layers, hidden)
         try:
             sglang_command.check_extra_args(extra_args)
         except ValueError as exc:
@@ -114,17 +142,24 @@ def server_plan(engine: str, python: str, model_path: str, host: str, port: int,
         except ValueError as exc:
             raise PlanError(f"sglang_server_aux_layers: {exc}") from exc
         secret_format = "sglang_config" if api_key else None
+    return _plan(engine, purpose, argv, api_key_file, secret_format, expected, aux, num_layers, hidden)
+
+
+def _plan(engine: str, purpose: str, argv: list[str], api_key_file: str | None, secret_format: str | None,
+          expected: dict, aux: list[int], num_layers: int, hidden: int) -> dict:
+    capture = purpose == "capture"
     return {
         "engine": engine,
+        "purpose": purpose,
         "argv": argv,
         "secret_format": secret_format,
         "api_key_file": api_key_file,
         "expected_server_info": expected,
-        "aux_layers": aux,
+        "aux_layers": aux if capture else [],
         "num_layers": num_layers,
         "hidden_size": hidden,
-        "num_aux": len(aux),
-        "probe_input_ids": PROBE_INPUT_IDS,
+        "num_aux": len(aux) if capture else 0,
+        "probe_input_ids": PROBE_INPUT_IDS if capture else [],  # a serving server writes no capture to probe
     }
 
 
@@ -163,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--capture-dir", required=True)
+    parser.add_argument("--capture-dir", default="", help="where captures go (capture purpose only)")
+    parser.add_argument("--purpose", default="capture", choices=PURPOSES,
+                        help="capture (the extraction's server) or serve (answers only, no capture)")
     parser.add_argument("--aux-layers", default="", help="comma-separated 0-based layers; empty: the default")
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--device", default="auto")
@@ -176,8 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         extra = json.loads(args.extra_args_json)
         if not isinstance(extra, list):
             raise PlanError("sglang_server_extra_args must be a list of strings, one argument each")
+        if args.purpose == "capture" and not args.capture_dir:
+            raise PlanError("sglang_server_capture_dir: a capture server needs a capture directory")
         plan = server_plan(args.engine, args.python, args.model_path, args.host, args.port, args.capture_dir,
-                           aux, args.tp_size, args.device, args.api_key_file or None, extra)
+                           aux, args.tp_size, args.device, args.api_key_file or None, extra, args.purpose)
     except (PlanError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

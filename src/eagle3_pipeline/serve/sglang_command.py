@@ -364,6 +364,88 @@ def expected_server_info(
     }
 
 
+# -- serving the target itself (regeneration) ---------------------------------------------------
+# A server that answers, not one that captures: SGLang's defaults stay (radix cache on, so each
+# turn of a conversation reuses the prefill of the turns before it; CUDA graphs on; chunked
+# prefill at its default), and nothing of the capture is there (no aux hidden states, no hook).
+_SERVE_SET_FLAGS = {
+    "--model-path": "set from sglang_server_model_path",
+    "--model": "alias of --model-path, which the role sets",
+    "--host": "set from sglang_server_host",
+    "--port": "set from sglang_server_port",
+    "--tp-size": "set from sglang_server_tp_size",
+    "--tensor-parallel-size": "alias of --tp-size, which the role sets",
+    "--config": "used by the role for the API key file; a config file could set any flag unchecked",
+    "--api-key": "would show the key in the process list: set sglang_server_api_key instead",
+    "--enable-return-aux-hidden-states": "a capture flag; the serving server captures nothing",
+    "--return-aux-hidden-state-layer-ids": "a capture flag; the serving server captures nothing",
+    "--forward-hooks": "the capture hook has no place in the serving server",
+    "--disable-radix-cache": "the serving server keeps the radix cache: each turn reuses its history's prefill",
+    "--disable-cuda-graph": "deprecated in 0.5.23; the serving server keeps CUDA graphs on for decoding speed",
+}
+_SERVE_REFUSED_PREFIXES = {
+    "--speculative-": "speculative decoding is the evaluation's server; the serving server answers plainly",
+}
+
+
+def check_serve_extra_args(extra_args: Sequence[str]) -> None:
+    """Refuse extras of the serving launch that repeat a flag it sets, bring back a capture flag,
+    or turn off what makes it fast (ValueError naming the flag and why)."""
+    if isinstance(extra_args, str):
+        raise ValueError("sglang_server_extra_args must be a list of argv tokens, not a string")
+    known = [*_SERVE_SET_FLAGS, *_SERVE_REFUSED_PREFIXES]
+    for token in extra_args:
+        if not isinstance(token, str):
+            raise ValueError(f"sglang_server_extra_args: {token!r} is not a string; quote every token")
+        if not token.startswith("--"):
+            if token.startswith("-") and len(token) > 1 and not token[1].isdigit() and token[1] != ".":
+                raise ValueError(f"{token}: use long flags only in sglang_server_extra_args (short options are "
+                                 "ambiguous)")
+            continue
+        flag = _flag_name(token)
+        if flag in _SERVE_SET_FLAGS:
+            raise ValueError(f"{flag} is refused for a serving server ({_SERVE_SET_FLAGS[flag]}); remove it from "
+                             "sglang_server_extra_args")
+        for prefix, why in _SERVE_REFUSED_PREFIXES.items():
+            if flag.startswith(prefix):
+                raise ValueError(f"{flag} is refused for a serving server ({why}); remove it from "
+                                 "sglang_server_extra_args")
+        expands_to = sorted(k for k in known if k.startswith(flag) and k != flag)
+        if expands_to:
+            raise ValueError(f"{flag} is an abbreviation SGLang's argparse may expand to {expands_to[0]}, which the "
+                             "role refuses; spell flags in full")
+
+
+def serve_launch_argv(
+    python: str,
+    model_path: str,
+    host: str,
+    port: int,
+    tp_size: int,
+    extra_args: Sequence[str] = (),
+    api_key_config: str | None = None,
+) -> list[str]:
+    """SGLang serving the target for answers (regeneration), as an argv list (no shell): the model,
+    where it listens, its TP size, the API key file; none of the capture flags."""
+    check_serve_extra_args(extra_args)
+    _check_endpoint(tp_size, port)
+    argv = _server_head(python, model_path, host, port, tp_size) + _config_args(api_key_config)
+    return argv + list(extra_args)
+
+
+def expected_serve_server_info(model_path: str, port: int, tp_size: int) -> dict:
+    """Fields the live ``/server_info`` of a serving server must show: no capture, the radix cache on."""
+    return {
+        "version": SGLANG_VERSION,
+        "model_path": str(model_path),
+        "port": int(port),
+        "tp_size": int(tp_size),
+        "disable_radix_cache": False,
+        "enable_return_aux_hidden_states": False,
+        "forward_hooks": None,
+    }
+
+
 # -- serving the trained drafter (the evaluation stage) ------------------------------------------
 # SGLang 0.5.23's chain defaults (arg_groups/speculative_hook.py ``_auto_choose_speculative_params``
 # returns (steps 3, topk 1, draft tokens 4) for most architectures; with topk 1 ``_handle_eagle_family``

@@ -1,0 +1,1 @@
+"""Regeneration: every assistant turn of a conversation dataset answered again by the target itself."""

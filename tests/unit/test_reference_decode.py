@@ -1,0 +1,198 @@
+"""The reference engine's decode: batched, vectorized, continuous, and equal to greedy decoding by full forwards.
+
+The yardstick is the slowest decode there is: for every new token, one forward over the whole
+sequence so far, no KV cache, on the embedded tiny model in float32. The engine's output must
+equal it token for token. Where the two differ, the full forward's best two logits must be a
+near-tie (within ``NEAR_TIE`` logits, far below any real margin and far above float32 kernel
+noise); the comparison ends there, since the continuations then legitimately part.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3_pipeline.engine.batcher import GenerateJob, ModelRunner, SamplingConfig
+from eagle3_pipeline.models.tiny import build_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+NEAR_TIE = 1e-3
+START_TIMEOUT_S = 120.0
+QUESTIONS = [
+    "What does os.path.join do?", "Explain the Python module json.", "What is collections.OrderedDict?",
+    "How do I call shutil.copy?", "What is the class threading.Event used for?", "Explain itertools.chain.",
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Torch on one thread in this process while these tests run: the many small full forwards of the
+    yardstick are several times slower when two threads contend with the test's server process."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> Path:
+    return build_tiny_model(ROOT / ".cache" / "models" / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model) -> ModelRunner:
+    return ModelRunner(str(tiny_model), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def prompts(runner) -> list[list[int]]:
+    """Chat prompts of different lengths (a system turn on some), as the regeneration sends them."""
+    out = []
+    for i, question in enumerate(QUESTIONS):
+        messages = [{"role": "user", "content": question}]
+        if i % 2:
+            messages.insert(0, {"role": "system", "content": "You answer questions about Python briefly."})
+        out.append(list(runner.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                             return_dict=False)))
+    assert len({len(p) for p in out}) > 3, "the prompts should differ in length"
+    return out
+
+
+def full_forward_greedy(runner: ModelRunner, ids: list[int], budget: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens by one full forward per token (no cache), and the top-1 margin at each step."""
+    tokens, margins = [], []
+    sequence = list(ids)
+    with torch.inference_mode():
+        for _ in range(budget):
+            logits = runner.model(input_ids=torch.tensor([sequence]), use_cache=False).logits[0, -1].float()
+            best = logits.topk(2)
+            token = int(best.indices[0])
+            tokens.append(token)
+            margins.append(float(best.values[0] - best.values[1]))
+            sequence.append(token)
+            if token in runner.eos_token_ids:
+                break
+    return tokens, margins
+
+
+def assert_same_greedy(got: list[int], want: list[int], margins: list[float], what: str) -> None:
+    for step, (ours, theirs) in enumerate(zip(got, want)):
+        if ours != theirs:
+            assert margins[step] < NEAR_TIE, (
+                f"{what}: token {step} is {ours}, the full forward's is {theirs} with a margin of {margins[step]:.3g}"
+            )
+            return
+    assert len(got) == len(want), f"{what}: {len(got)} tokens, the full forward stops after {len(want)}"
+
+
+def greedy_job(ids: list[int], budget: int, **kwargs) -> GenerateJob:
+    return GenerateJob(rid="t", input_ids=ids, capture=False,
+                       sampling=SamplingConfig(max_new_tokens=budget, temperature=0.0), **kwargs)
+
+
+def test_a_batch_whose_rows_end_at_different_steps_equals_full_forward_greedy(runner, prompts):
+    budgets = [40, 3, 25, 1, 12, 33]
+    outcomes = runner.run_batch([greedy_job(ids, n) for ids, n in zip(prompts, budgets)])
+    for i, (ids, n, outcome) in enumerate(zip(prompts, budgets, outcomes)):
+        want, margins = full_forward_greedy(runner, ids, n)
+        assert_same_greedy(outcome.output_ids, want, margins, f"prompt {i}")
+        ended = "stop" if want[-1] in runner.eos_token_ids else "length"
+        assert outcome.finish_reason["type"] == ended
+
+
+def test_rows_that_join_a_running_decode_equal_full_forward_greedy(runner, prompts):
+    batch, finished = runner.start([greedy_job(ids, 30) for ids in prompts[:2]])
+    assert not finished
+    for _ in range(7):  # the first rows are 8 tokens in when the others join
+        finished += runner.step(batch)
+    assert runner.can_merge(batch)
+    joining, more = runner.start([greedy_job(ids, 30) for ids in prompts[2:]])
+    batch = runner.merge(batch, joining)
+    rows = {id(row.job): row for row in (*batch.rows, *finished, *more)}
+    jobs = [row.job for row in batch.rows]
+    while batch.rows:
+        runner.step(batch)
+    assert len(jobs) == len(prompts) - len(finished) - len(more)
+    for job in jobs:
+        want, margins = full_forward_greedy(runner, job.input_ids, 30)
+        assert_same_greedy(rows[id(job)].outcome.output_ids, want, margins, f"prompt of {len(job.input_ids)} tokens")
+
+
+def test_logprobs_of_a_batched_decode_are_each_rows_own(runner, prompts):
+    jobs = [greedy_job(ids, 5, return_logprob=True, top_logprobs_num=k) for ids, k in zip(prompts[:3], (0, 1, 3))]
+    for job in jobs:
+        job.sampling.ignore_eos = True
+    outcomes = runner.run_batch(jobs)
+    for job, outcome in zip(jobs, outcomes):
+        sequence = list(job.input_ids)
+        for step, token in enumerate(outcome.output_ids):
+            with torch.inference_mode():
+                logprobs = runner.model(input_ids=torch.tensor([sequence])).logits[0, -1].float().log_softmax(-1)
+            value, chosen = outcome.output_token_logprobs[step]
+            assert chosen == token and value == pytest.approx(float(logprobs[token]), abs=1e-4)
+            if job.top_logprobs_num:
+                top = logprobs.topk(job.top_logprobs_num).indices.tolist()
+                assert [t for _, t in outcome.output_top_logprobs[step]] == top
+            else:
+                assert outcome.output_top_logprobs is None
+            sequence.append(token)
+
+
+def test_concurrent_generate_requests_equal_full_forward_greedy_and_join_the_running_decode(
+    tiny_model, runner, prompts, tmp_path
+):
+    log_file = tmp_path / "server.log"
+    command = [sys.executable, "-m", "eagle3_pipeline.engine.reference_server", "--model-path", str(tiny_model),
+               "--port", "0", "--device", "cpu", "--dtype", "float32", "--max-batch-size", "16",
+               "--log-file", str(log_file)]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        port = None
+        while port is None:
+            assert proc.poll() is None, log_file.read_text() if log_file.exists() else "no log"
+            assert time.monotonic() < deadline, "the server did not start"
+            match = re.search(r"serving http://[\d.]+:(\d+)", log_file.read_text() if log_file.exists() else "")
+            port = int(match.group(1)) if match else time.sleep(0.1)
+        results: dict[int, dict] = {}
+
+        def send(i: int, budget: int) -> None:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            body = {"input_ids": prompts[i], "sampling_params": {"max_new_tokens": budget, "temperature": 0}}
+            connection.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            results[i] = {"status": response.status, **json.loads(response.read())}
+            connection.close()
+
+        # The first request runs a long budget (80 tokens: over 0.3 s at any CPU speed seen here);
+        # the others arrive while it decodes, and join it.
+        first = threading.Thread(target=send, args=(0, 80))
+        first.start()
+        time.sleep(0.3)
+        others = [threading.Thread(target=send, args=(i, 24)) for i in range(1, len(prompts))]
+        for thread in others:
+            thread.start()
+        for thread in [first, *others]:
+            thread.join(timeout=120)
+        for i, ids in enumerate(prompts):
+            assert results[i]["status"] == 200, results[i]
+            want, margins = full_forward_greedy(runner, ids, 80 if i == 0 else 24)
+            assert_same_greedy(results[i]["output_ids"], want, margins, f"request {i}")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    stopped = re.search(r"(\d+) request\(s\) served in (\d+) batch\(es\), (\d+) of them joined a running decode",
+                        log_file.read_text())
+    assert stopped and int(stopped.group(1)) == len(prompts)
+    if int(stopped.group(3)) == 0:
+        pytest.fail(f"no request joined the running decode: {stopped.group(0)}")
