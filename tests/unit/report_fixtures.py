@@ -114,7 +114,18 @@ def make_run(out: Path, training: bool = True, evaluation: bool = True, hostile:
             "outputs_match_target": True, "output_mismatches": [], "simulated_acceptance_length": 1.02,
             "simulated_from": "training's held-out eval split", "simulated_tau": 2.02,
             "note": f"tau = tokens per verify forward {bad}", "tokens_per_s": 120.5,
-            "tokens_per_s_without_drafting": 80.25})
+            "runs": [{"draft_tokens": 3, "tau": 1.9, "predicted_tau": 2.02, "tokens_per_s": 120.5,
+                      "conditional_acceptance_per_position": [0.5, 0.56, 0.43],
+                      "predicted_conditional_acceptance": [0.6, 0.5, 0.4]},
+                     {"draft_tokens": 7, "tau": 2.1, "predicted_tau": None, "tokens_per_s": 90.0,
+                      "conditional_acceptance_per_position": [0.5, 0.5, 0.4, 0.4, 0.3, 0.3, 0.2],
+                      "predicted_conditional_acceptance": [0.6, 0.5, 0.4]}],
+            "excluded_prompts": [{"id": f"held-{bad}", "line": 7, "reason": "same prompt tokens as a training sample",
+                                  "other": "t-3"}],
+            "reference_check": {"checked": True, "method": "full forwards", "near_ties": 1, "faults": 0,
+                                "mismatches": [{"id": "h-2", "draft_tokens": 7, "first_difference": 12,
+                                                "near_tie": True, "logit_gap": 0.0625}]},
+            "verdict": {"passed": True, "judged": True, "problems": [], "likely_causes": []}})
     _write(out / "settings.json", {
         "sglang_server_engine": "reference", "sglang_server_api_key": SECRET, "sglang_server_tp_size": 2,
         "eagle_training_batch_tokens": 512, "extraction_dataset": f"/data/{bad}.jsonl",

@@ -1,4 +1,5 @@
-"""Held-out prompts: rendered as the extraction renders them, refused when they are in the training data."""
+"""Held-out prompts: rendered as the extraction renders them, excluded (and listed) when the training data has
+them, the run refused only when too few remain."""
 
 from __future__ import annotations
 
@@ -11,10 +12,9 @@ from extraction_settings import RUN, settings
 
 from eagle3_pipeline.evaluate.heldout import (
     HeldoutError,
-    HeldoutOverlapError,
-    check_no_overlap,
     load_heldout_prompts,
     prefix_digest,
+    select_heldout_prompts,
 )
 from eagle3_pipeline.extract import store
 from eagle3_pipeline.extract.dataset import Sample, read_dataset
@@ -102,29 +102,43 @@ def test_prompts_unseen_in_training_pass(tmp_path, renderer, training_data):
         _chat("h-0", "What is the class zipfile.ZipFile used for?", "Zip files."),
         _chat(None, "What does heapq.heappush do?", "Pushes."),  # line-2: a generated id, like a training one
         _chat("h-2", "What does heapq.heapify do?", "Same question, but with a system prompt.", system="Be brief.")])
-    prompts, _ = load_heldout_prompts(path, renderer)
-    summary = check_no_overlap(prompts, training_data)
-    assert summary["overlaps"] == 0 and summary["checked_prompts"] == 3 and summary["training_samples"] == 3
+    selection = select_heldout_prompts(path, renderer, training_data, 10)
+    assert [p.sample_id for p in selection.prompts] == ["h-0", "line-2", "h-2"] and selection.excluded == []
+    assert selection.summary()["training_samples"] == 3 and selection.summary()["usable_prompts"] == 3
 
 
-def test_a_training_prompt_under_another_id_is_refused_by_its_tokens(tmp_path, renderer, training_data):
+def test_prompts_seen_in_training_are_excluded_by_their_tokens_and_the_next_ones_taken(tmp_path, renderer,
+                                                                                        training_data):
     path = _write_jsonl(tmp_path / "held.jsonl", [
         _chat("fresh", "What is the class zipfile.ZipFile used for?", "Zip files."),
         _chat("renamed", "Explain the Python module json.", "A different answer: the prompt is what counts."),
-        _chat("again", "What is os.path.join for?", "x", system="Be brief.")])
-    prompts, _ = load_heldout_prompts(path, renderer)
-    with pytest.raises(HeldoutOverlapError, match="2 held-out prompt") as caught:
-        check_no_overlap(prompts, training_data)
-    assert caught.value.overlaps == [("renamed", "t-1", "same prompt tokens"),
-                                     ("again", "line-3", "same prompt tokens")]
-    assert "renamed (same prompt tokens as training sample t-1)" in str(caught.value)
+        _chat("again", "What is os.path.join for?", "x", system="Be brief."),
+        _chat("repeat", "What is the class zipfile.ZipFile used for?", "The same prompt as 'fresh'."),
+        _chat("next", "What does shutil.copy do?", "Copies."),
+        _chat("unused", "What does shutil.move do?", "Moves.")])
+    selection = select_heldout_prompts(path, renderer, training_data, 2)
+    assert [p.sample_id for p in selection.prompts] == ["fresh", "next"]  # two asked for: "unused" is not read
+    assert [(e["id"], e["line"], e["reason"], e["other"]) for e in selection.excluded] == [
+        ("renamed", 2, "same prompt tokens as a training sample", "t-1"),
+        ("again", 3, "same prompt tokens as a training sample", "line-3"),
+        ("repeat", 4, "same prompt tokens as an earlier held-out prompt", "fresh")]
 
 
-def test_a_training_id_is_refused_even_with_another_prompt(tmp_path, renderer, training_data):
-    path = _write_jsonl(tmp_path / "held.jsonl", [_chat("t-0", "A question never trained on?", "x")])
-    prompts, _ = load_heldout_prompts(path, renderer)
-    with pytest.raises(HeldoutOverlapError, match="t-0 \\(same id as training sample t-0\\)"):
-        check_no_overlap(prompts, training_data)
+def test_a_training_id_is_excluded_even_with_another_prompt(tmp_path, renderer, training_data):
+    path = _write_jsonl(tmp_path / "held.jsonl", [_chat("t-0", "A question never trained on?", "x"),
+                                                  _chat("h-1", "Another question never trained on?", "y")])
+    selection = select_heldout_prompts(path, renderer, training_data, 5)
+    assert [p.sample_id for p in selection.prompts] == ["h-1"]
+    assert selection.excluded == [{"id": "t-0", "line": 1, "reason": "same id as a training sample", "other": "t-0"}]
+
+
+def test_too_few_prompts_left_refuses_naming_the_exclusions(tmp_path, renderer, training_data):
+    path = _write_jsonl(tmp_path / "held.jsonl", [
+        _chat("renamed", "Explain the Python module json.", "x"), _chat("h-1", "Never trained on?", "y")])
+    with pytest.raises(HeldoutError, match=r"only 1 usable held-out prompt\(s\), at least 2 needed: 1 excluded as "
+                                           r"seen in training \(renamed \(same prompt tokens as a training sample: "
+                                           r"t-1\)\)"):
+        select_heldout_prompts(path, renderer, training_data, 5, min_prompts=2)
 
 
 def test_prefix_digest_cuts_at_the_first_assistant_token():

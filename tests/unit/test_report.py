@@ -278,3 +278,28 @@ def test_leftovers_of_a_killed_build_are_removed(tmp_path):
     assert report(out) == 0
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
     assert (out / "report" / "index.html").is_file()
+
+
+def test_the_evaluation_verdict_chains_exclusions_and_output_check_are_shown(tmp_path):
+    out = make_run(tmp_path)
+    assert report(out) == 0
+    page = (out / "report" / "index.html").read_text()
+    assert "Evaluation passed: measured acceptance within what the training predicts." in page
+    assert "At each chain length (same prompts)" in page and "0.500 / 0.500 / 0.400" in page
+    assert "Prompts excluded (1): seen in training or repeated" in page and "held-bad" in page
+    assert "1 differ at a numerical near-tie (logit gaps 0.062), 0 differ otherwise" in page
+
+
+def test_a_failed_evaluation_marks_the_report_with_its_problems_and_causes(tmp_path):
+    out = make_run(tmp_path)
+    path = out / "evaluation" / "evaluation.json"
+    record = json.loads(path.read_text())
+    record["verdict"] = {"passed": False, "judged": True,
+                         "problems": ["chain of 3, draft position 1: accepted in 14 of 2263 rounds"],
+                         "likely_causes": ["the target's forward with a KV cache differs from a full forward"]}
+    path.write_text(json.dumps(record))
+    assert report(out) == 0
+    page = (out / "report" / "index.html").read_text()
+    assert "Evaluation FAILED" in page and "accepted in 14 of 2263 rounds" in page
+    assert "the target&#x27;s forward with a KV cache differs" in page
+    assert '<div class="value">FAILED</div><div class="label">evaluation verdict</div>' in page

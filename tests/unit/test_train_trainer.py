@@ -134,3 +134,12 @@ def test_bad_inputs_fail_clearly(data_dir, tmp_path):
         config(data_dir, tmp_path, lr=0)
     with pytest.raises(tr.TrainConfigError, match="ttt_length"):
         config(data_dir, tmp_path, ttt_length=0)
+
+
+def test_an_unset_batch_is_chosen_by_the_drafters_width(data_dir, tmp_path):
+    from eagle3_pipeline.train.trainer import auto_batch_tokens, make_plan
+
+    assert [auto_batch_tokens(h) for h in (576, 1024, 2048, 4096, 7168)] == [32768, 32768, 8192, 2048, 2048]
+    plan = make_plan(config(data_dir, tmp_path / "out", batch_tokens=None))
+    assert plan.cfg.batch_tokens == auto_batch_tokens(plan.drafter_config.hidden_size) == 32768
+    assert plan.fixed["batch_tokens"] == 32768  # a resume checks the batch it actually used

@@ -4,20 +4,29 @@ Engines:
 
 - ``reference`` (default): the target on transformers in this process (``ModelRunner`` of the
   reference engine, CPU or one GPU), greedy chain speculative decoding with the drafter
-  (``speculative.py``), and the target's own greedy decode of every prompt to check that the
-  output is the same token for token (``--no-check-outputs`` skips that, and the tokens/s
-  without drafting with it);
+  (``speculative.py``), batched as a serving engine batches requests, at every chain length of
+  ``--draft-tokens`` (default 3 and 7: SpecForge's published "3-1-4" and "7-1-8") on the same prompts;
+  then the target's own greedy decode of every prompt by FULL forwards (no KV cache: an oracle that
+  shares nothing with the path it checks) to check that the outputs are the same token for token
+  (``--no-check-outputs`` skips it);
 - ``sglang``: an SGLang server already serving the drafter (``--server-url``; the evaluation
   role starts one with ``--print-sglang-argv``'s command), measured from ``/generate``'s
-  meta_info (``sglang_client.py``).
+  meta_info (``sglang_client.py``), at the one chain length the server was started with.
 
 Before anything is decoded the prompts are checked against the training data (``heldout.py``):
-an overlap refuses the run (exit 2) naming the ids. ``<output-dir>/evaluation.json`` is written
-atomically; a run whose drafter (SHA-256 of model.safetensors), prompts and settings match an
-existing one changes nothing (``--force`` measures again). ``--check`` prints a JSON status line
-and measures nothing.
+a prompt the drafter saw is excluded and listed (id, line, reason), and the next one is taken; the
+run refuses (exit 2) only when fewer than ``--min-prompts`` remain.
 
-Exit codes: 0 measured (or already measured), 1 crash, 2 bad input or settings (the message says which).
+Then the verdict (``verdict.py``): the measured acceptance per draft position against what the
+training's held-out split predicts, and the output check. A measurement far below the prediction,
+or outputs that differ from the target's own decode other than by numerical near-ties, FAIL the run
+(exit 3) after evaluation.json is written with the verdict and its likely causes (the report shows
+it). ``<output-dir>/evaluation.json`` is written atomically; a run whose drafter (SHA-256 of
+model.safetensors), prompts and settings match an existing one changes nothing and gives the same
+verdict again (``--force`` measures again). ``--check`` prints a JSON status line and measures nothing.
+
+Exit codes: 0 measured (or already measured) and passed, 1 crash, 2 bad input or settings (the message
+says which), 3 measured and failed its verdict.
 """
 
 from __future__ import annotations
@@ -30,15 +39,31 @@ import time
 from pathlib import Path
 
 from eagle3_pipeline.checksum import file_sha256
+from eagle3_pipeline.evaluate.verdict import DEFAULT_MIN_RATIO
 from eagle3_pipeline.train.command import _positive_int  # the same option type as train's
 
-EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT = 0, 1, 2
+DEFAULT_BATCH_TOKENS = 131072
+SHOWN_EXCLUSIONS = 20  # log lines; evaluation.json lists every excluded prompt
+
+EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_VERDICT_FAILED = 0, 1, 2, 3
 RESULT_FILE = "evaluation.json"
 RESULT_FORMAT = "eagle3-pipeline/evaluation"
 ENGINES = ("reference", "sglang")
-# SGLang's default chain for EAGLE3 drafters (3 steps, topk 1, 4 verified tokens), see
-# serve/sglang_command.py DEFAULT_SPECULATIVE_STEPS: measure what is served by default.
-DEFAULT_DRAFT_TOKENS = 3
+# SGLang's default chain for EAGLE3 drafters (3 steps, topk 1, 4 verified tokens, see
+# serve/sglang_command.py DEFAULT_SPECULATIVE_STEPS) and the longer chain peers publish (SpecForge's
+# "7-1-8"); the first is the headline figure.
+DEFAULT_DRAFT_TOKENS = (3, 7)
+
+
+def _chain_lengths(text: str) -> list[int]:
+    """``--draft-tokens``: one or more chain lengths, comma-separated, each >= 1, no repeats."""
+    try:
+        values = [int(part) for part in str(text).split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated whole numbers, e.g. 3,7") from None
+    if not values or min(values) < 1 or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: one or more distinct chain lengths >= 1, e.g. 3,7")
+    return values
 
 
 class BadInput(ValueError):
@@ -59,18 +84,27 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "template); default: the one training.json names")
     add("--target-model-path", help="the target model directory (default: the one the drafter's config names, "
         "else data_config.json's)")
-    add("--num-prompts", type=_positive_int, default=32, help="prompts measured (the first usable ones of the file)")
+    add("--num-prompts", type=_positive_int, default=32, help="prompts measured (the first usable ones of the file, "
+        "those seen in training excluded)")
+    add("--min-prompts", type=_positive_int, help="fail when fewer usable prompts remain (default: half of "
+        "--num-prompts, rounded up)")
     add("--max-new-tokens", type=_positive_int, default=128, help="tokens generated per prompt")
-    add("--draft-tokens", type=_positive_int, default=DEFAULT_DRAFT_TOKENS,
-        help="drafts per verify forward (the chain length k; SGLang's --speculative-num-steps)")
+    add("--draft-tokens", type=_chain_lengths, default=list(DEFAULT_DRAFT_TOKENS),
+        help="drafts per verify forward, the chain length k (SGLang's --speculative-num-steps); several, "
+        "comma-separated, are measured on the same prompts (the sglang engine measures one)")
+    add("--min-acceptance-ratio", type=float, default=DEFAULT_MIN_RATIO,
+        help="fail when the measured acceptance at a draft position is, with 99%% confidence, below this share of "
+        "what the training's held-out split predicts (0 turns the check off)")
+    add("--batch-tokens", type=_positive_int, default=DEFAULT_BATCH_TOKENS,
+        help="reference engine: KV-cache slots per batch of requests decoded together (bounds memory)")
     add("--ignore-eos", action="store_true", help="generate max-new-tokens tokens whatever the target says")
     add("--engine", choices=ENGINES, default="reference")
     add("--device", default="auto", help="reference engine: auto, cpu, cuda or cuda:N")
     add("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
         help="reference engine: the target's dtype (auto: bfloat16 on a GPU, float32 on the CPU)")
     add("--no-check-outputs", dest="check_outputs", action="store_false",
-        help="reference engine: skip the target's plain greedy decode (the equality check and the tokens/s "
-        "without drafting)")
+        help="reference engine: skip the target's greedy decode by full forwards (the check that the outputs are "
+        "the target's own)")
     add("--server-url", help="sglang engine: the server serving the drafter, e.g. http://127.0.0.1:30100")
     add("--api-key-file", help="sglang engine: a file holding the server's API key (never on the command line)")
     add("--force", action="store_true", help="measure again even when evaluation.json matches these settings")
@@ -138,13 +172,18 @@ def fingerprint(args: argparse.Namespace, inputs: dict) -> str:
     settings = {
         "drafter_sha256": inputs["drafter_sha256"], "prompts_sha256": inputs["prompts_sha256"],
         "data_dir": inputs["data_dir"], "target_model_path": inputs["target_model_path"],
-        "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "draft_tokens": args.draft_tokens,
+        "num_prompts": args.num_prompts, "min_prompts": _min_prompts(args), "max_new_tokens": args.max_new_tokens,
+        "draft_tokens": list(args.draft_tokens), "min_acceptance_ratio": args.min_acceptance_ratio,
         "ignore_eos": args.ignore_eos, "engine": args.engine,
         "device": args.device if args.engine == "reference" else None,
         "dtype": args.dtype if args.engine == "reference" else None,
         "check_outputs": args.check_outputs if args.engine == "reference" else None,
     }  # fmt: skip
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+
+
+def _min_prompts(args: argparse.Namespace) -> int:
+    return args.min_prompts or (args.num_prompts + 1) // 2
 
 
 def previous_result(output_dir: Path, wanted: str) -> dict | None:
@@ -155,15 +194,6 @@ def previous_result(output_dir: Path, wanted: str) -> dict | None:
     except (OSError, ValueError):
         return None
     return document if isinstance(document, dict) and document.get("fingerprint") == wanted else None
-
-
-def simulated_acceptance(training: dict) -> tuple[float | None, str | None]:
-    """(training's simulated acceptance length, where it comes from): its held-out eval, else its last batch."""
-    for key, where in (("eval", "training's held-out eval split"), ("last", "training's last batch")):
-        value = (training.get(key) or {}).get("acceptance_length")
-        if isinstance(value, (int, float)):
-            return float(value), where
-    return None, None
 
 
 def _prepare(inputs: dict):
@@ -191,49 +221,101 @@ def _prepare(inputs: dict):
     return data, renderer, aux
 
 
-def run_reference(args, prompts, aux_layers: list[int], target_path: str) -> dict:
-    """Speculative decoding of every prompt on the reference engine, checked against plain greedy decoding."""
+def measure_chains(target, proposer, prompt_ids: list[list[int]], draft_tokens: list[int], max_new_tokens: int,
+                   batch_tokens: int, ignore_eos: bool = False, say=_say) -> tuple[list[dict], dict]:
+    """Speculative decoding of every prompt at each chain length, in batches of similar length.
+
+    Returns (one record per chain length: stats, decode seconds, batches, tokens/s; {chain length: the
+    ``SpeculativeOutput`` of each prompt, in prompt order}).
+    """
     from eagle3_pipeline.evaluate.speculative import (  # noqa: PLC0415
         AcceptanceStats,
-        EagleProposer,
-        TargetModel,
-        load_drafter,
+        batches_by_tokens,
         speculative_generate,
     )
+
+    runs, outputs = [], {}
+    for chain in draft_tokens:
+        stats = AcceptanceStats(chain)
+        results = [None] * len(prompt_ids)
+        began = time.perf_counter()
+        batches = batches_by_tokens(prompt_ids, batch_tokens, reserve=max_new_tokens * (chain + 1))
+        for batch in batches:
+            decoded = speculative_generate(target, proposer, [prompt_ids[i] for i in batch], max_new_tokens, chain,
+                                           ignore_eos)
+            for index, result in zip(batch, decoded):
+                results[index] = result
+                stats.add(result)
+            elapsed = time.perf_counter() - began
+            say(f"chain of {chain}: {stats.requests}/{len(prompt_ids)} prompts, tau so far {stats.tau:.2f}, "
+                f"{stats.completion_tokens / elapsed:,.0f} tokens/s")
+        decode_s = time.perf_counter() - began
+        outputs[chain] = results
+        runs.append({"stats": stats, "decode_s": decode_s, "batches": len(batches),
+                     "tokens_per_s": stats.completion_tokens / decode_s if decode_s else None})
+    return runs, outputs
+
+
+def check_outputs(target, prompt_ids: list[list[int]], names: list[str], outputs: dict, max_new_tokens: int,
+                  batch_tokens: int, ignore_eos: bool = False, reference=None, say=_say) -> dict:
+    """Every speculative output against the target's greedy decode by full forwards (``reference``: that decode,
+    when already made for these prompts and settings); the mismatches with their near-tie verdicts."""
+    from eagle3_pipeline.evaluate.speculative import compare_with_reference, judge_mismatches  # noqa: PLC0415
+
+    check = {"checked": True, "method": "greedy decode by a full forward of the whole sequence per token, no KV "
+             "cache", "mismatches": [], "near_ties": 0, "faults": 0, "decode_s": 0.0}
+    if reference is None:
+        began = time.perf_counter()
+        reference = target.greedy_reference(prompt_ids, max_new_tokens, ignore_eos, batch_tokens)
+        check["decode_s"] = time.perf_counter() - began
+    for chain, results in outputs.items():
+        found = [compare_with_reference(result, want) for result, want in zip(results, reference)]
+        judge_mismatches(target, prompt_ids, found)
+        check["mismatches"] += [{"id": name, "draft_tokens": chain, **mismatch.as_dict()}
+                                for name, mismatch in zip(names, found) if mismatch is not None]
+    check["near_ties"] = sum(1 for m in check["mismatches"] if m["near_tie"])
+    check["faults"] = len(check["mismatches"]) - check["near_ties"]
+    compared = len(prompt_ids) * len(outputs)
+    say(f"outputs checked against the target's greedy decode by full forwards ({check['decode_s']:.1f} s): "
+        f"{compared - len(check['mismatches'])} of {compared} equal, {check['near_ties']} differ at a numerical "
+        f"near-tie, {check['faults']} differ otherwise")
+    return check
+
+
+def judge_runs(measured_runs: list[dict], training: dict, check: dict, min_ratio: float) -> tuple[list[dict], dict]:
+    """Each chain's figures for evaluation.json beside the training's prediction, and the verdict over all."""
+    from eagle3_pipeline.evaluate.verdict import judge, predicted_rates, predicted_tau  # noqa: PLC0415
+
+    rates, source = predicted_rates(training)
+    runs = []
+    for run in measured_runs:
+        stats = run["stats"]
+        chain = stats.draft_tokens
+        runs.append({"draft_tokens": chain, **stats.as_dict(), "accepted": list(stats.accepted),
+                     "reached": list(stats.reached), "predicted_tau": predicted_tau(rates, chain),
+                     "predicted_conditional_acceptance": rates[:chain] if rates else None,
+                     "decode_s": run["decode_s"], "batches": run["batches"], "tokens_per_s": run["tokens_per_s"]})
+    return runs, judge(runs, rates, source, check["faults"], min_ratio)
+
+
+def run_reference(args, prompts, aux_layers: list[int], target_path: str) -> dict:
+    """Speculative decoding of every prompt on the reference engine at each chain length, batched, then the
+    check against the target's greedy decode by full forwards."""
+    from eagle3_pipeline.evaluate.speculative import EagleProposer, TargetModel, load_drafter  # noqa: PLC0415
 
     started = time.perf_counter()
     target = TargetModel.load(target_path, aux_layers, device=args.device, dtype=args.dtype)
     drafter, _ = load_drafter(args.drafter_dir, target.input_embeddings(), device=target.device)
-    proposer = EagleProposer(drafter)
-    _say(f"target {target_path} and drafter loaded on {target.device} in {time.perf_counter() - started:.1f} s")
-    stats = AcceptanceStats(args.draft_tokens)
-    spec_s = plain_s = 0.0
-    plain_tokens = 0
-    mismatches = []
-    for index, prompt in enumerate(prompts, 1):
-        result = speculative_generate(target, proposer, list(prompt.input_ids), args.max_new_tokens,
-                                      args.draft_tokens, args.ignore_eos)
-        stats.add(result)
-        spec_s += result.wall_s
-        note = ""
-        if args.check_outputs:
-            began = time.perf_counter()
-            plain = target.greedy(list(prompt.input_ids), args.max_new_tokens, args.ignore_eos)
-            plain_s += time.perf_counter() - began
-            plain_tokens += len(plain)
-            if plain != result.output_ids:
-                at = next((i for i, (a, b) in enumerate(zip(plain, result.output_ids)) if a != b),
-                          min(len(plain), len(result.output_ids)))
-                mismatches.append({"id": prompt.sample_id, "first_difference": at})
-                note = f"; OUTPUT DIFFERS from the target's greedy decode at token {at}"
-        _say(f"prompt {index}/{len(prompts)} ({prompt.sample_id}): {len(result.output_ids)} tokens in "
-             f"{len(result.rounds)} verify forwards; tau so far {stats.tau:.2f}{note}")
-    return {
-        "stats": stats, "outputs_match_target": (not mismatches) if args.check_outputs else None,
-        "mismatches": mismatches, "device": str(target.device), "decode_s": spec_s,
-        "tokens_per_s": stats.completion_tokens / spec_s if spec_s else None,
-        "tokens_per_s_without_drafting": plain_tokens / plain_s if plain_s else None,
-    }
+    _say(f"target {target_path} and drafter loaded on {target.device} ({target.dtype_name}) in "
+         f"{time.perf_counter() - started:.1f} s")
+    prompt_ids = [list(prompt.input_ids) for prompt in prompts]
+    runs, outputs = measure_chains(target, EagleProposer(drafter), prompt_ids, args.draft_tokens,
+                                   args.max_new_tokens, args.batch_tokens, args.ignore_eos)
+    check = {"checked": False, "method": None, "mismatches": [], "near_ties": 0, "faults": 0}
+    if args.check_outputs:
+        check = check_outputs(target, prompt_ids, [p.sample_id for p in prompts], outputs, args.max_new_tokens,
+                              args.batch_tokens, args.ignore_eos)
+    return {"runs": runs, "check": check, "device": str(target.device), "dtype": target.dtype_name}
 
 
 def run_sglang(args, prompts) -> dict:
@@ -245,10 +327,15 @@ def run_sglang(args, prompts) -> dict:
     def progress(done: int, stats) -> None:
         _say(f"prompt {done}/{len(prompts)}: tau so far {stats.tau:.2f}")
 
-    stats, _outputs, wall = measure_sglang(args.server_url, prompts, args.max_new_tokens, args.draft_tokens,
+    if len(args.draft_tokens) != 1:
+        raise BadInput(f"--engine sglang measures the one chain length its server was started with; --draft-tokens "
+                       f"{','.join(map(str, args.draft_tokens))} names several: give one")
+    stats, _outputs, wall = measure_sglang(args.server_url, prompts, args.max_new_tokens, args.draft_tokens[0],
                                            api_key=api_key, progress=progress)
-    return {"stats": stats, "outputs_match_target": None, "mismatches": [], "device": None, "decode_s": wall,
-            "tokens_per_s": stats.completion_tokens / wall if wall else None, "tokens_per_s_without_drafting": None}
+    run = {"stats": stats, "decode_s": wall, "batches": len(prompts),
+           "tokens_per_s": stats.completion_tokens / wall if wall else None}
+    return {"runs": [run], "check": {"checked": False, "method": None, "mismatches": [], "near_ties": 0, "faults": 0},
+            "device": None, "dtype": None}
 
 
 def print_sglang_argv(args: argparse.Namespace) -> int:
@@ -266,7 +353,7 @@ def print_sglang_argv(args: argparse.Namespace) -> int:
         raise BadInput(f"--extra-args-json: not JSON ({exc})") from None
     try:
         argv = speculative_launch_argv(args.sglang_python, target, str(drafter_dir), args.port, args.tp_size,
-                                       args.draft_tokens, extra, args.api_key_config)
+                                       args.draft_tokens[0], extra, args.api_key_config)
     except ValueError as exc:
         raise BadInput(str(exc)) from None
     print(json.dumps({"argv": argv, "url": f"http://127.0.0.1:{args.port}"}), flush=True)
@@ -274,11 +361,21 @@ def print_sglang_argv(args: argparse.Namespace) -> int:
 
 
 def _summary_line(document: dict) -> str:
-    simulated = document.get("simulated_tau")
-    sim = f"{simulated:.2f}" if simulated is not None else "n/a"
-    positions = "/".join(f"{value:.2f}" for value in document["accepted_per_position"])
-    return (f"acceptance length (measured): tau {document['tau']:.2f} (simulated by training: {sim}), "
-            f"per position {positions}")
+    parts = []
+    for run in document.get("runs") or [document]:
+        predicted = run.get("predicted_tau")
+        positions = "/".join(f"{value:.2f}" for value in run["conditional_acceptance_per_position"])
+        parts.append(f"chain of {run['draft_tokens']}: tau {run['tau']:.2f} (training predicts "
+                     f"{'%.2f' % predicted if predicted is not None else 'n/a'}), acceptance per position {positions}")
+    return "acceptance length (measured): " + "; ".join(parts)
+
+
+def _verdict_lines(document: dict) -> list[str]:
+    verdict = document.get("verdict") or {}
+    if verdict.get("passed", True):
+        return []
+    return ["error: the drafter FAILED its evaluation: " + " | ".join(verdict.get("problems") or []),
+            "likely causes: " + " | ".join(verdict.get("likely_causes") or [])]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -294,7 +391,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from eagle3_pipeline.atomic import atomic_write_text  # noqa: PLC0415
-    from eagle3_pipeline.evaluate.heldout import HeldoutError, check_no_overlap, load_heldout_prompts  # noqa: PLC0415
+    from eagle3_pipeline.evaluate.heldout import HeldoutError, select_heldout_prompts  # noqa: PLC0415
     from eagle3_pipeline.evaluate.speculative import EvaluationError  # noqa: PLC0415
     from eagle3_pipeline.extract.client import EngineError, ServerUnreachable  # noqa: PLC0415
     from eagle3_pipeline.train.data import DataError  # noqa: PLC0415
@@ -312,13 +409,20 @@ def _run(args: argparse.Namespace) -> int:
         if done is not None:
             _say(f"already measured: {output_dir / RESULT_FILE} is for this drafter, these prompts and settings")
             _say(_summary_line(done))
-            return EXIT_OK
+            for line in _verdict_lines(done):
+                _say(line)
+            return EXIT_OK if (done.get("verdict") or {}).get("passed", True) else EXIT_VERDICT_FAILED
         data, renderer, aux_layers = _prepare(inputs)
-        prompts, skipped = load_heldout_prompts(inputs["prompts"], renderer, args.num_prompts)
-        for line in skipped:
+        selection = select_heldout_prompts(inputs["prompts"], renderer, data, args.num_prompts, _min_prompts(args))
+        prompts = selection.prompts
+        for line in selection.skipped:
             _say(f"prompt left out: {line}")
-        overlap = check_no_overlap(prompts, data)
-        _say(f"{len(prompts)} held-out prompts, none among the {overlap['training_samples']} training samples")
+        for entry in selection.excluded[:SHOWN_EXCLUSIONS]:
+            _say(f"prompt excluded: {entry['id']} (line {entry['line']}): {entry['reason']} {entry['other']}")
+        if len(selection.excluded) > SHOWN_EXCLUSIONS:
+            _say(f"... and {len(selection.excluded) - SHOWN_EXCLUSIONS} more excluded (evaluation.json lists all)")
+        _say(f"{len(prompts)} held-out prompts, none among the {selection.training_samples} training samples "
+             f"({len(selection.excluded)} excluded)")
         started = time.time()
         if args.engine == "reference":
             measured = run_reference(args, prompts, aux_layers, inputs["target_model_path"])
@@ -330,38 +434,46 @@ def _run(args: argparse.Namespace) -> int:
     except (ServerUnreachable, EngineError) as exc:
         _say(f"error: the SGLang server: {exc}")
         return EXIT_CRASH
-    stats = measured["stats"]
-    simulated, simulated_from = simulated_acceptance(inputs["training"])
+    check = measured["check"]
+    runs, verdict = judge_runs(measured["runs"], inputs["training"], check, args.min_acceptance_ratio)
+    source = verdict["predicted_from"]
+    primary = runs[0]
+    simulated = (inputs["training"].get("eval") or inputs["training"].get("last") or {}).get("acceptance_length")
     document = {
         "format": RESULT_FORMAT, "fingerprint": wanted, "engine": args.engine,
-        **stats.as_dict(),
-        "draft_tokens": args.draft_tokens, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "ignore_eos": args.ignore_eos,
-        "outputs_match_target": measured["outputs_match_target"], "output_mismatches": measured["mismatches"],
-        "simulated_acceptance_length": simulated, "simulated_from": simulated_from,
-        "simulated_tau": 1 + simulated if simulated is not None else None,
+        **{key: primary[key] for key in primary if key not in ("accepted", "reached")},
+        "runs": runs, "verdict": verdict,
+        "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos,
+        "excluded_prompts": selection.excluded, "overlap_check": selection.summary(),
+        "reference_check": check,
+        "outputs_match_target": (not check["faults"]) if check["checked"] else None,
+        "output_mismatches": check["mismatches"],
+        "simulated_acceptance_length": simulated, "simulated_from": source,
+        "simulated_tau": primary["predicted_tau"],
         "note": ("tau = tokens produced by verify forwards / verify forwards = 1 + mean drafts accepted per round "
-                 "(the prefill and its first token counted in neither); the training's simulated acceptance length "
-                 "sum_k prod_{i<=k} cond_acc_i counts accepted drafts only, so compare tau with 1 + simulated. "
+                 "(the prefill and its first token counted in neither); predicted_tau = 1 + sum_k prod_{i<=k} "
+                 "cond_acc_i over the chain's positions, from the training's held-out split. "
                  "sglang_accept_length is SGLang's completion_tokens / spec_verify_ct (the prefill's token counted)."),
-        "wall_s": time.time() - started, "decode_s": measured["decode_s"], "tokens_per_s": measured["tokens_per_s"],
-        "tokens_per_s_without_drafting": measured["tokens_per_s_without_drafting"],
-        "device": measured["device"], "server_url": args.server_url if args.engine == "sglang" else None,
+        "wall_s": time.time() - started, "device": measured["device"], "dtype": measured["dtype"],
+        "server_url": args.server_url if args.engine == "sglang" else None,
         "drafter_dir": inputs["drafter_dir"], "drafter_sha256": inputs["drafter_sha256"],
         "target_model_path": inputs["target_model_path"], "data_dir": inputs["data_dir"],
         "training_dir": inputs["training_dir"], "prompts_file": inputs["prompts"],
         "prompts_sha256": inputs["prompts_sha256"], "prompt_ids": [p.sample_id for p in prompts],
-        "overlap_check": overlap, "finished": time.time(),
+        "finished": time.time(),
     }  # fmt: skip
     output_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(output_dir / RESULT_FILE, json.dumps(document, indent=1) + "\n")
-    if document["outputs_match_target"] is False:
-        _say(f"warning: {len(measured['mismatches'])} output(s) differ from the target's own greedy decode: "
-             f"{measured['mismatches'][:5]} (numerical ties between a one-token and a multi-token forward?)")
-    speed = document["tokens_per_s"]
-    plain = document["tokens_per_s_without_drafting"]
-    _say(f"{stats.completion_tokens} tokens, {stats.rounds} verify forwards; "
-         f"{speed or 0:.1f} tokens/s with drafting" + (f", {plain:.1f} without" if plain else ""))
+    if check["near_ties"]:
+        shown = [(m["id"], m["draft_tokens"], m["first_difference"], m["logit_gap"]) for m in check["mismatches"]
+                 if m["near_tie"]][:5]
+        _say(f"{check['near_ties']} output(s) differ from the target's greedy decode at a numerical near-tie "
+             f"(id, chain, token, logit gap): {shown}")
+    for run in runs:
+        _say(f"chain of {run['draft_tokens']}: {run['tokens_generated']} tokens, {run['target_forwards']} verify "
+             f"forwards in {run['batches']} batch(es), {run['tokens_per_s'] or 0:,.1f} tokens/s")
     _say(_summary_line(document))
     _say(f"written: {output_dir / RESULT_FILE}")
-    return EXIT_OK
+    for line in _verdict_lines(document):
+        _say(line)
+    return EXIT_OK if verdict["passed"] else EXIT_VERDICT_FAILED

@@ -1,7 +1,7 @@
 """Held-out prompts: read, rendered as the served model would see them, and checked to be unseen.
 
-Reading: the extraction's dataset reader (``extract/dataset.py``: ShareGPT or OpenAI JSONL, the
-same skips). The prompt of a conversation is everything before its FIRST assistant turn,
+Reading: the extraction's dataset reader (``extract/dataset.py``: ShareGPT or OpenAI records, JSONL
+or a JSON array, the same skips). The prompt of a conversation is everything before its FIRST assistant turn,
 rendered with the target's chat template up to and including the generation prompt (what a
 client sends to ``/generate`` to get that turn), through the extraction's ``ChatRenderer`` with
 the manifest's template (refused when the template differs from the one the data was extracted
@@ -12,8 +12,8 @@ a sample that starts the same way: then it has seen exactly the hidden states it
 continue. Two tests, both over every sample of the manifest (the training's data and its own
 eval split alike):
 
-1. ids: no held-out record's id is a training sample's id (ids generated from line numbers,
-   ``line-N``, name no record and are left out on both sides);
+1. ids: no held-out record's id is a training sample's id (ids the reader made up for records
+   without one name no record and are left out on both sides);
 2. tokens: each held-out conversation is rendered by ``ChatRenderer.render``, the very function
    that produced the training samples' ``input_ids`` and ``loss_mask``; its prompt prefix is the
    tokens before the first loss-masked (assistant) token. The SHA-256 of that token sequence is
@@ -25,13 +25,17 @@ eval split alike):
    the boundary cannot hide a match. Near-duplicates (a changed word) are not caught: they are
    different prompts.
 
-Either test failing refuses the evaluation with ``HeldoutOverlapError`` naming the ids.
+A prompt either test finds is EXCLUDED and listed (its id, line, the reason and the training sample
+it matches) in evaluation.json and the report, and the next prompt of the file is taken instead;
+so is a prompt that repeats an earlier held-out one (ShareGPT repeats prompts; one prompt counted
+twice is not two measurements). The evaluation fails only when fewer than its minimum remain.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,14 +47,6 @@ SHOWN_OVERLAPS = 20
 
 class HeldoutError(ValueError):
     """The held-out prompts cannot be used; the message names the file and the fix."""
-
-
-class HeldoutOverlapError(HeldoutError):
-    """Held-out prompts found in the training data; ``overlaps`` lists (held-out id, training id, how)."""
-
-    def __init__(self, message: str, overlaps: list[tuple[str, str, str]]):
-        super().__init__(message)
-        self.overlaps = overlaps
 
 
 @dataclass(frozen=True)
@@ -75,24 +71,20 @@ def _first_assistant(messages) -> int | None:
     return next((index for index, message in enumerate(messages) if message["role"] == "assistant"), None)
 
 
-def load_heldout_prompts(path: str | os.PathLike, renderer: ChatRenderer, num_prompts: int | None = None,
-                         ) -> tuple[list[HeldoutPrompt], list[str]]:
-    """The first ``num_prompts`` usable prompts of ``path`` (all when None) and a line per record left out."""
+def iter_heldout_prompts(path: str | os.PathLike, renderer: ChatRenderer) -> Iterator[HeldoutPrompt | str]:
+    """Every record of ``path`` as a ``HeldoutPrompt``, or a line saying why it was left out, in file order."""
     path = Path(path)
     if not path.is_file():
-        raise HeldoutError(f"{path}: no such file (the held-out prompts, ShareGPT or OpenAI JSONL)")
-    prompts: list[HeldoutPrompt] = []
-    skipped: list[str] = []
+        raise HeldoutError(f"{path}: no such file (the held-out prompts: ShareGPT or OpenAI records, JSONL or a JSON "
+                           "array)")
     for record in read_dataset(path):
-        if num_prompts is not None and len(prompts) >= num_prompts:
-            break
         if not isinstance(record, Sample):
-            skipped.append(f"line {record.line}: {record.reason}: {record.detail}")
+            yield f"line {record.line}: {record.reason}: {record.detail}"
             continue
         first = _first_assistant(record.messages)
         if not first:
-            skipped.append(f"line {record.line} ({record.sample_id}): no turn before the first assistant turn: "
-                           "nothing to prompt with")
+            yield (f"line {record.line} ({record.sample_id}): no turn before the first assistant turn: nothing to "
+                   "prompt with")
             continue
         try:
             full_ids, mask = renderer.render(record.messages)
@@ -100,11 +92,22 @@ def load_heldout_prompts(path: str | os.PathLike, renderer: ChatRenderer, num_pr
             # rendering of the turns before it with the generation prompt.
             text = renderer._turn_start(list(record.messages), first)  # noqa: SLF001
         except SampleError as exc:
-            skipped.append(f"line {record.line} ({record.sample_id}): {exc.reason}: {exc.detail}")
+            yield f"line {record.line} ({record.sample_id}): {exc.reason}: {exc.detail}"
             continue
         ids = renderer.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-        prompts.append(HeldoutPrompt(record.sample_id, record.line, tuple(ids), prefix_digest(full_ids, mask),
-                                     record.sample_id == f"line-{record.line}"))
+        yield HeldoutPrompt(record.sample_id, record.line, tuple(ids), prefix_digest(full_ids, mask),
+                            record.id_generated)
+
+
+def load_heldout_prompts(path: str | os.PathLike, renderer: ChatRenderer, num_prompts: int | None = None,
+                         ) -> tuple[list[HeldoutPrompt], list[str]]:
+    """The first ``num_prompts`` usable prompts of ``path`` (all when None) and a line per record left out."""
+    prompts: list[HeldoutPrompt] = []
+    skipped: list[str] = []
+    for item in iter_heldout_prompts(path, renderer):
+        if num_prompts is not None and len(prompts) >= num_prompts:
+            break
+        (prompts if isinstance(item, HeldoutPrompt) else skipped).append(item)
     if not prompts:
         shown = "; ".join(skipped[:3]) or "the file is empty"
         raise HeldoutError(f"{path}: no usable prompt ({shown})")
@@ -133,29 +136,64 @@ def training_prefixes(data) -> dict[str, str]:
 
 
 def _generated_ids(data) -> set[str]:
-    """Manifest ids made from line numbers (records without an id)."""
+    """Manifest ids made up by the reader (records without an id): they name no record."""
     return {str(entry["id"]) for shard in data.manifest["shards"].values() for entry in shard["files"]
-            if str(entry["id"]) == f"line-{entry.get('line')}"}
+            if entry.get("id_generated", str(entry["id"]) == f"line-{entry.get('line')}")}
 
 
-def check_no_overlap(prompts: list[HeldoutPrompt], data) -> dict:
-    """Refuse held-out prompts that are in the training data (see the module docstring); a summary when none is."""
+@dataclass
+class HeldoutSelection:
+    """The prompts the evaluation may use, the ones it excluded (id, line, reason) and the records left out."""
+
+    prompts: list[HeldoutPrompt]
+    excluded: list[dict]
+    skipped: list[str]
+    training_samples: int
+
+    def summary(self) -> dict:
+        """The overlap check's record for evaluation.json."""
+        return {"checked_prompts": len(self.prompts) + len(self.excluded), "usable_prompts": len(self.prompts),
+                "excluded": len(self.excluded), "training_samples": self.training_samples,
+                "method": "sample ids, and SHA-256 of the prompt tokens before the first assistant token"}
+
+
+def select_heldout_prompts(path: str | os.PathLike, renderer: ChatRenderer, data, num_prompts: int,
+                           min_prompts: int = 1) -> HeldoutSelection:
+    """The first ``num_prompts`` prompts of ``path`` that the drafter never saw (see the module docstring).
+
+    A prompt that is in the training data (same id, or same prompt tokens as a training sample) or that
+    repeats an earlier held-out prompt (ShareGPT repeats prompts: it would be counted twice) is excluded,
+    with its id and reason, and the next one is taken. Fewer than ``min_prompts`` left is a ``HeldoutError``
+    that names how many were excluded and why.
+    """
     generated = _generated_ids(data)
     training_ids = {sample.id for sample in data.samples} - generated
     by_prefix = training_prefixes(data)
-    overlaps = []
-    for prompt in prompts:
-        if not prompt.id_is_generated and prompt.sample_id in training_ids:
-            overlaps.append((prompt.sample_id, prompt.sample_id, "same id"))
-        if prompt.prefix_sha256 in by_prefix:
-            overlaps.append((prompt.sample_id, by_prefix[prompt.prefix_sha256], "same prompt tokens"))
-    if overlaps:
-        held = sorted({held for held, _, _ in overlaps})
-        shown = ", ".join(f"{held} ({how} as training sample {seen})" for held, seen, how in overlaps[:SHOWN_OVERLAPS])
-        more = f" and {len(overlaps) - SHOWN_OVERLAPS} more" if len(overlaps) > SHOWN_OVERLAPS else ""
-        raise HeldoutOverlapError(
-            f"{len(held)} held-out prompt(s) are in the training data {data.root}: {shown}{more}. A drafter measured "
-            "on prompts it was trained on overstates its acceptance: remove them from the prompts file (or give "
-            "another one)", overlaps)
-    return {"checked_prompts": len(prompts), "training_samples": len(data.samples), "overlaps": 0,
-            "method": "sample ids, and SHA-256 of the prompt tokens before the first assistant token"}
+    chosen: dict[str, str] = {}  # prefix digest -> held-out id
+    selection = HeldoutSelection([], [], [], len(data.samples))
+    for item in iter_heldout_prompts(path, renderer):
+        if len(selection.prompts) >= num_prompts:
+            break
+        if not isinstance(item, HeldoutPrompt):
+            selection.skipped.append(item)
+            continue
+        reason = None
+        if not item.id_is_generated and item.sample_id in training_ids:
+            reason, other = "same id as a training sample", item.sample_id
+        elif item.prefix_sha256 in by_prefix:
+            reason, other = "same prompt tokens as a training sample", by_prefix[item.prefix_sha256]
+        elif item.prefix_sha256 in chosen:
+            reason, other = "same prompt tokens as an earlier held-out prompt", chosen[item.prefix_sha256]
+        if reason:
+            selection.excluded.append({"id": item.sample_id, "line": item.line, "reason": reason, "other": other})
+            continue
+        chosen[item.prefix_sha256] = item.sample_id
+        selection.prompts.append(item)
+    if len(selection.prompts) < min_prompts:
+        shown = "; ".join(f"{e['id']} ({e['reason']}: {e['other']})" for e in selection.excluded[:SHOWN_OVERLAPS])
+        raise HeldoutError(
+            f"{path}: only {len(selection.prompts)} usable held-out prompt(s), at least {min_prompts} needed: "
+            f"{len(selection.excluded)} excluded as seen in training ({shown or 'none'}), {len(selection.skipped)} "
+            "left out as unusable. Give a prompts file with more conversations the drafter was not trained on "
+            "(or lower the minimum)")
+    return selection

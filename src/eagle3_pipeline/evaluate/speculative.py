@@ -1,6 +1,7 @@
-"""Greedy chain speculative decoding with the target and the EAGLE-3 drafter, as SGLang serves it.
+"""Greedy chain speculative decoding with the target and the EAGLE-3 drafter, as SGLang serves it, batched.
 
-One request at a time (batch 1), greedy, chain drafting (SGLang's ``--speculative-eagle-topk 1``):
+A batch of requests is decoded together, greedy, chain drafting (SGLang's ``--speculative-eagle-topk 1``); each
+request follows exactly the steps of a request served alone:
 
 1. prefill: the target reads the prompt x_0..x_{P-1} (its aux states a_0..a_{P-1} taken by the
    reference engine's forward hooks) and picks x_P, the first output token;
@@ -12,28 +13,37 @@ One request at a time (batch 1), greedy, chain drafting (SGLang's ``--speculativ
    k tokens in all; the steps' keys are dropped afterwards (SGLang frees those slots too);
 4. verify: ONE target forward over [last token, d_1..d_k]: the longest prefix of drafts equal to the
    target's own greedy choices is accepted, plus the target's next token after it (the bonus), so
-   every round yields 1..k+1 tokens; the target's KV cache is cut back to what was accepted;
+   every round yields 1..k+1 tokens; the rejected drafts' cache slots are masked out for good;
 5. draft extend over the verified rows (aux of each verified position with the token after it),
    and on to 3 until ``max_new_tokens`` or an end-of-sequence token.
 
-This is the same alignment the drafter was trained on (``train/model.py``'s docstring). Every
-output token is the target's greedy choice given the tokens before it, so the output equals the
-target's own greedy decode token for token; ``outputs_match`` checks that against the reference
-engine's plain decode (``ModelRunner.run_batch``).
+This is the alignment the drafter was trained on (``train/model.py``'s docstring).
+
+Batching. The requests of a batch share one target forward per round and one drafter forward per
+step. Each request keeps its own positions (``position_ids``), and both KV caches (the target's
+transformers cache and the drafter's own) carry a validity mask over their slots: a prompt's right
+padding and a round's rejected drafts stay in the cache as masked-out slots, so no request ever
+attends to another's tokens or to a token it did not accept. A request that finished (end token or
+budget) rides along until its batch ends; its rounds are not counted.
+
+The oracle. Every output token is meant to be the target's greedy choice given the tokens before it.
+``TargetModel.greedy_reference`` decodes the same prompts by FULL forwards of the whole sequence at
+every step, with no KV cache at all, so it shares nothing with the cached path it checks: a cache that
+is ignored, misaligned or stale shows up as outputs that differ. Where outputs differ, the two paths'
+top-2 logits at the first difference tell a numerical near-tie (each path's choice is the other's
+runner-up, both gaps within the dtype's rounding) from a real fault.
 
 Accounting. tau (acceptance length) = tokens produced by verify forwards / verify forwards =
-1 + mean drafts accepted per round; the prefill and its first token are counted in neither.
-SGLang's meta_info ``spec_accept_length`` = completion_tokens / spec_verify_ct counts the
-prefill's token on top but not the prefill forward: ``sglang_accept_length`` reports that figure
-too (it is tau + 1/rounds per request). Near the budget a round drafts only
-``min(k, tokens left - 1)``, so a round never produces tokens past ``max_new_tokens`` and tau stays
-1 + mean accepted exactly (SGLang drafts k and drops the excess; the difference is one round per
-request). An end-of-sequence token ends the request where it stands, as in SGLang.
+1 + mean drafts accepted per round when no round is cut by an end token (a round that produces an
+end token stops there: it may produce fewer than its accepted drafts + 1); the prefill and its first
+token are counted in neither. SGLang's meta_info ``spec_accept_length`` = completion_tokens /
+spec_verify_ct counts the prefill's token on top but not the prefill forward:
+``sglang_accept_length`` reports that figure too. Near the budget a round drafts only
+``min(k, tokens left - 1)``, so a round never produces tokens past ``max_new_tokens``.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,20 +53,53 @@ import torch.nn.functional as F
 from eagle3_pipeline.train.export import DrafterShape, load_export
 from eagle3_pipeline.train.model import DrafterConfig, Eagle3Drafter, rope_cos_sin
 
+# Prompt tokens (padded) per batch forward of the reference decode and per prefill: bounds the
+# activations and KV cache a batch holds at once.
+DEFAULT_BATCH_TOKENS = 65536
+
 
 class EvaluationError(ValueError):
     """The evaluation cannot run as asked; the message names the file or setting and the fix."""
 
 
+@dataclass
+class Top2:
+    """The target's two best tokens where it chose one: (id, logit) each."""
+
+    first_id: int
+    first_logit: float
+    second_id: int
+    second_logit: float
+
+
+def _top2_rows(values: torch.Tensor, ids: torch.Tensor) -> list[Top2]:
+    """Top2 records of [n, 2] value and id tensors (one host copy)."""
+    return [Top2(int(i[0]), float(v[0]), int(i[1]), float(v[1])) for v, i in zip(values.tolist(), ids.tolist())]
+
+
 # -- the target ---------------------------------------------------------------------------------
+@dataclass
+class TargetCache:
+    """A batch's KV cache on the target and which of its slots hold tokens each request may attend to."""
+
+    cache: object  # the engine's transformers cache
+    valid: torch.Tensor  # [B, L] long: 1 for a slot of the request's own accepted tokens
+
+    def drop(self, keep: torch.Tensor) -> None:
+        """Mask out the last ``keep.shape[1]`` slots where ``keep`` [B, n] is False (rejected drafts)."""
+        n = keep.shape[1]
+        self.valid[:, -n:] = self.valid[:, -n:] * keep.to(self.valid.dtype)
+
+
 class TargetModel:
-    """The target on the reference engine's ``ModelRunner``: its model loading, device and dtype
-    choice, aux-layer forward hooks (checked against ``hidden_states[i + 1]`` at load) and greedy
-    decode, used here for cached forwards over a few tokens at a time."""
+    """The target on the reference engine's ``ModelRunner``: its model loading, device and dtype choice,
+    aux-layer forward hooks (checked at load against ``hidden_states[i + 1]``, and its cached forwards
+    against full ones), used here for batched cached forwards and for full-forward greedy decoding."""
 
     def __init__(self, runner):
         self.runner = runner
         self.device = runner.device
+        self.dtype_name = runner.dtype_name
         self.aux_layers = list(runner.aux_layers)
         self.eos_token_ids = set(runner.eos_token_ids)
 
@@ -77,45 +120,132 @@ class TargetModel:
         """The target's input embeddings [V, H] (the drafter shares them, as SGLang's ``set_embed`` does)."""
         return self.runner.model.get_input_embeddings().weight
 
-    def new_cache(self):
-        """An empty KV cache for one request."""
-        return self.runner._new_cache()  # noqa: SLF001 - the engine's own cache type for this model
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache=None):
+        """One decoder forward: (aux [B, n, n_aux*H], last hidden states [B, n, H])."""
+        out, captured = self.runner._run_decoder(  # noqa: SLF001 - the engine's hooked forward
+            input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache)
+        aux = torch.cat([captured[layer] for layer in self.aux_layers], dim=-1)
+        return aux, out.last_hidden_state
+
+    def _top2(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two best (logit, id) of lm_head(hidden) [.., H]: values and ids [.., 2].
+
+        The first is ``argmax`` (the lowest id among exact ties, as the engine's greedy decode picks);
+        ``topk`` alone orders exact ties arbitrarily."""
+        logits = self.runner.lm_head(hidden).float()
+        top = logits.topk(2, dim=-1)
+        first = logits.argmax(dim=-1, keepdim=True)
+        second = torch.where(top.indices[..., :1] == first, top.indices[..., 1:], top.indices[..., :1])
+        ids = torch.cat([first, second], dim=-1)
+        return logits.gather(-1, ids), ids
 
     @torch.inference_mode()
-    def forward(self, token_ids: list[int], cache, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read ``token_ids`` at positions start.. into ``cache``: (aux [n, n_aux*H], logits [n, V] float32)."""
-        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        positions = torch.arange(start, start + len(token_ids), device=self.device)[None]
-        out, captured = self.runner._run_decoder(  # noqa: SLF001 - the engine's hooked forward
-            input_ids=ids, position_ids=positions, cache=cache)
-        aux = torch.cat([captured[layer][0] for layer in self.aux_layers], dim=-1)
-        return aux, self.runner.lm_head(out.last_hidden_state[0]).float()
+    def prefill(self, prompts: list[list[int]]) -> tuple[TargetCache, torch.Tensor, list[Top2]]:
+        """Read right-padded prompts into a new cache: (cache, aux [B, W, n_aux*H], top-2 after each prompt)."""
+        lengths = [len(prompt) for prompt in prompts]
+        width = max(lengths)
+        ids = torch.zeros((len(prompts), width), dtype=torch.long)
+        valid = torch.zeros((len(prompts), width), dtype=torch.long)
+        for b, prompt in enumerate(prompts):
+            ids[b, : lengths[b]] = torch.tensor(prompt, dtype=torch.long)
+            valid[b, : lengths[b]] = 1
+        ids, valid = ids.to(self.device), valid.to(self.device)
+        positions = torch.arange(width, device=self.device).expand(len(prompts), width)
+        state = TargetCache(self.runner._new_cache(), valid)  # noqa: SLF001 - the engine's cache type
+        aux, last = self._forward(ids, positions, valid, state.cache)
+        ends = torch.tensor(lengths, device=self.device) - 1
+        values, top_ids = self._top2(last[torch.arange(len(prompts), device=self.device), ends])
+        return state, aux, _top2_rows(values, top_ids)
 
-    def greedy(self, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
-        """The target's own greedy decode, by the reference engine's plain decode loop (the oracle)."""
-        from eagle3_pipeline.engine.batcher import GenerateJob, SamplingConfig  # noqa: PLC0415
+    @torch.inference_mode()
+    def extend(self, state: TargetCache, ids: torch.Tensor, positions: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Read ids [B, n] at positions [B, n] into the cache: (aux [B, n, n_aux*H], top-2 values and ids [B, n, 2]).
 
-        sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=ignore_eos)
-        job = GenerateJob(rid="evaluate-greedy", input_ids=list(prompt_ids), sampling=sampling, capture=False)
-        return self.runner.run_batch([job])[0].output_ids
+        The new slots are valid until ``state.drop`` masks the rejected ones out.
+        """
+        state.valid = torch.cat([state.valid, torch.ones_like(ids)], dim=1)
+        aux, last = self._forward(ids, positions, state.valid, state.cache)
+        values, top_ids = self._top2(last)
+        return aux, values, top_ids
+
+    @torch.inference_mode()
+    def next_token_logits(self, sequence: list[int]) -> torch.Tensor:
+        """The target's logits [V] (float32) after ``sequence``, by a full forward without any cache."""
+        out, _ = self.runner._run_decoder(  # noqa: SLF001 - the engine's forward
+            input_ids=torch.tensor([sequence], device=self.device))
+        return self.runner.lm_head(out.last_hidden_state[0, -1]).float()
+
+    @torch.inference_mode()
+    def greedy_reference(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = False,
+                         batch_tokens: int = DEFAULT_BATCH_TOKENS) -> list[tuple[list[int], list[Top2]]]:
+        """The target's greedy decode of each prompt by a FULL forward of the whole sequence per token, no cache.
+
+        Independent of the cached path on purpose (see the module docstring). Returns per prompt the output
+        ids and the top-2 at each output token. Requests are batched up to ``batch_tokens`` padded tokens.
+        """
+        stops = set() if ignore_eos else self.eos_token_ids
+        sequences = [list(prompt) for prompt in prompts]
+        outputs: list[list[int]] = [[] for _ in prompts]
+        tops: list[list[Top2]] = [[] for _ in prompts]
+        active = list(range(len(prompts)))
+        for _ in range(max_new_tokens):
+            if not active:
+                break
+            for chunk in _chunks(sorted(active, key=lambda b: len(sequences[b])), [len(s) for s in sequences],
+                                 batch_tokens):
+                width = max(len(sequences[b]) for b in chunk)
+                ids = torch.zeros((len(chunk), width), dtype=torch.long)
+                mask = torch.zeros((len(chunk), width), dtype=torch.long)
+                for row, b in enumerate(chunk):
+                    ids[row, : len(sequences[b])] = torch.tensor(sequences[b])
+                    mask[row, : len(sequences[b])] = 1
+                ids, mask = ids.to(self.device), mask.to(self.device)
+                out, _ = self.runner._run_decoder(input_ids=ids, attention_mask=mask)  # noqa: SLF001
+                ends = mask.sum(1) - 1
+                values, top_ids = self._top2(out.last_hidden_state[torch.arange(len(chunk), device=self.device), ends])
+                for row, top in zip(chunk, _top2_rows(values, top_ids)):
+                    sequences[row].append(top.first_id)
+                    outputs[row].append(top.first_id)
+                    tops[row].append(top)
+            active = [b for b in active if outputs[b][-1] not in stops and len(outputs[b]) < max_new_tokens]
+        return list(zip(outputs, tops))
 
 
-def crop_cache(cache, remove: int) -> None:
-    """Drop the last ``remove`` positions of a transformers cache.
-
-    Every layer holding keys is cut; layers that hold none are left alone (transformers 5.17's
-    ``DynamicCache.crop`` fails on those with "'NoneType' object is not subscriptable"; 5.24's
-    does not). Caches without per-layer keys fall back to their own ``crop``.
-    """
-    layers = getattr(cache, "layers", None)
-    if not layers or not all(hasattr(layer, "keys") and hasattr(layer, "values") for layer in layers):
-        cache.crop(-remove)
-        return
-    for layer in layers:
-        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+def judge_mismatches(target: TargetModel, prompts: list[list[int]], mismatches: list[Mismatch | None]) -> None:
+    """Settle each mismatch's ``gap`` and ``near_tie`` by the target's full forward of the tokens before it
+    (one forward per mismatch: they are few, or the run is failing anyway)."""
+    share = NEAR_TIE_RELATIVE.get(target.dtype_name, NEAR_TIE_RELATIVE["bfloat16"])
+    for prompt, mismatch in zip(prompts, mismatches):
+        if mismatch is None or mismatch.reference is None or mismatch.ours_token is None:
             continue
-        layer.keys = layer.keys[..., : layer.keys.shape[-2] - remove, :]
-        layer.values = layer.values[..., : layer.values.shape[-2] - remove, :]
+        logits = target.next_token_logits([*prompt, *mismatch.context])
+        mismatch.gap = float(logits[mismatch.reference.first_id] - logits[mismatch.ours_token])
+        mismatch.near_tie = mismatch.gap <= share * max(float(logits.max().abs()), 1.0)
+
+
+def _chunks(order: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Consecutive groups of ``order`` whose padded size (rows x longest) stays within ``batch_tokens``."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for index in order:
+        wider = max(longest, lengths[index])
+        if current and wider * (len(current) + 1) > batch_tokens:
+            groups.append(current)
+            current, wider = [], lengths[index]
+        current.append(index)
+        longest = wider
+    if current:
+        groups.append(current)
+    return groups
+
+
+def batches_by_tokens(prompts: list[list[int]], batch_tokens: int, reserve: int = 0) -> list[list[int]]:
+    """Indices of ``prompts`` in batches of similar length (sorted), each within ``batch_tokens`` padded tokens
+    counting ``reserve`` more per request (the tokens its decode adds)."""
+    lengths = [len(prompt) + reserve for prompt in prompts]
+    return _chunks(sorted(range(len(prompts)), key=lambda b: lengths[b]), lengths, batch_tokens)
 
 
 # -- the drafter --------------------------------------------------------------------------------
@@ -164,70 +294,129 @@ def load_drafter(drafter_dir: str | Path, target_embeddings: torch.Tensor | None
 
 
 class EagleProposer:
-    """The drafter with its own KV cache, serving-style: ``extend`` over verified rows, ``propose`` k drafts."""
+    """The drafter with its own KV cache, serving-style, for a batch: ``extend`` over verified rows, ``propose``
+    k drafts per request."""
 
     def __init__(self, drafter: Eagle3Drafter):
         self.drafter = drafter
-        self.keys: torch.Tensor | None = None  # [1, kv_heads, L, hd]: the committed (extend) rows' keys
-        self.values: torch.Tensor | None = None
-        self.last_hidden: torch.Tensor | None = None  # [H] output of the last extend row
-        self.last_position = -1
+        self.device = drafter.fc.weight.device
         d2t = drafter.d2t
         self.draft_to_target = d2t + torch.arange(d2t.numel(), device=d2t.device)  # [D] target ids
+        self.reset(1)
 
-    def reset(self) -> None:
-        """Forget the request (a new prompt starts with ``extend`` at position 0)."""
-        self.keys = self.values = self.last_hidden = None
-        self.last_position = -1
+    def reset(self, batch_size: int) -> None:
+        """Forget every request: a new batch of ``batch_size`` starts with ``extend`` at position 0."""
+        self.keys: torch.Tensor | None = None  # [B, kv_heads, L, hd]: the committed (extend) rows' keys
+        self.values: torch.Tensor | None = None
+        self.key_valid: torch.Tensor | None = None  # [B, L] bool
+        hidden_size = self.drafter.config.hidden_size
+        self.last_hidden = torch.zeros((batch_size, hidden_size), device=self.device)  # output of the last row
+        self.last_position = torch.full((batch_size,), -1, dtype=torch.long, device=self.device)
+        self.extended = torch.zeros(batch_size, dtype=torch.bool, device=self.device)
 
-    def _layer(self, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One pass of the midlayer over n rows (hidden [n, H], tokens and positions [n]): output [n, H].
+    def _layer(self, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
+               valid: torch.Tensor) -> torch.Tensor:
+        """One pass of the midlayer over n rows per request (hidden [B, n, H], tokens, positions and valid [B, n]).
 
-        The rows attend to the cached keys and causally among themselves; their keys are appended
-        to the cache (``propose`` cuts its steps' keys off again).
+        Each row attends to its request's valid cached keys and causally to the valid new rows before it (and
+        always to itself); the rows' keys are appended to the cache, marked by ``valid``.
         """
         drafter = self.drafter
         layer, attn = drafter.midlayer, drafter.midlayer.self_attn
-        embeds = drafter.embed_tokens(token_ids).to(hidden.dtype)[None]  # [1, n, H]
-        x = layer.attention_input(embeds, hidden[None])  # [1, n, 2H]
-        cos, sin = rope_cos_sin(drafter.inv_freq, positions[None])
-        q, k, v = attn.project(x, cos, sin)  # [1, heads, n, hd], [1, kv, n, hd] x2
+        embeds = drafter.embed_tokens(token_ids).to(hidden.dtype)  # [B, n, H]
+        x = layer.attention_input(embeds, hidden)  # [B, n, 2H]
+        cos, sin = rope_cos_sin(drafter.inv_freq, positions)
+        q, k, v = attn.project(x, cos, sin)  # [B, heads, n, hd], [B, kv, n, hd] x2
         keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
         values = v if self.values is None else torch.cat([self.values, v], dim=2)
-        rows, past = token_ids.numel(), keys.shape[2] - token_ids.numel()
-        mask = None
-        if rows > 1:
-            mask = torch.ones(rows, past + rows, dtype=torch.bool, device=hidden.device).tril(diagonal=past)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=attn.kv_heads != attn.heads)
-        out = out.transpose(1, 2).reshape(1, rows, attn.heads * attn.head_dim)
-        self.keys, self.values = keys, values
-        return layer.finish(hidden[None], out)[0]
+        key_valid = valid if self.key_valid is None else torch.cat([self.key_valid, valid], dim=1)
+        rows, past = token_ids.shape[1], keys.shape[2] - token_ids.shape[1]
+        index = torch.arange(past + rows, device=hidden.device)
+        query = torch.arange(rows, device=hidden.device)[:, None] + past
+        causal = index[None, :] <= query  # [n, L]
+        mask = (key_valid[:, None, :] & causal[None]) | (index[None, :] == query)[None]  # [B, n, L]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None],
+                                             enable_gqa=attn.kv_heads != attn.heads)
+        out = out.transpose(1, 2).reshape(hidden.shape[0], rows, attn.heads * attn.head_dim)
+        self.keys, self.values, self.key_valid = keys, values, key_valid
+        return layer.finish(hidden, out)
 
     @torch.inference_mode()
-    def extend(self, aux: torch.Tensor, token_ids: list[int], start: int) -> None:
-        """Rows start..start+n-1: aux [n, n_aux*H_t] of each verified position with the token after it."""
+    def extend(self, aux: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
+               valid: torch.Tensor) -> None:
+        """Rows of verified positions: aux [B, n, n_aux*H_t] of each with the token after it [B, n] at positions
+        [B, n]; ``valid`` [B, n] says which rows a request really has (the rest is padding)."""
         fc = self.drafter.fc.weight
-        hidden = self.drafter.fc(aux.to(device=fc.device, dtype=fc.dtype))  # [n, H]
-        ids = torch.tensor(token_ids, dtype=torch.long, device=fc.device)
-        positions = torch.arange(start, start + len(token_ids), device=fc.device)
-        self.last_hidden = self._layer(hidden, ids, positions)[-1]
-        self.last_position = start + len(token_ids) - 1
+        hidden = self.drafter.fc(aux.to(device=fc.device, dtype=fc.dtype))  # [B, n, H]
+        valid = valid.to(fc.device)
+        out = self._layer(hidden, token_ids.to(fc.device), positions.to(fc.device), valid)
+        has = valid.any(dim=1)
+        last = (valid.long() * torch.arange(valid.shape[1], device=fc.device)).argmax(dim=1)  # last valid row
+        rows = torch.arange(valid.shape[0], device=fc.device)
+        self.last_hidden = torch.where(has[:, None], out[rows, last], self.last_hidden)
+        self.last_position = torch.where(has, positions.to(fc.device)[rows, last], self.last_position)
+        self.extended |= has
 
     @torch.inference_mode()
-    def propose(self, count: int) -> list[int]:
-        """``count`` chain drafts (target ids) from the last extend row; the steps' keys are dropped after."""
-        if self.last_hidden is None:
-            raise RuntimeError("propose() before extend(): the drafter has read no verified rows")
+    def propose(self, count: int) -> torch.Tensor:
+        """``count`` chain drafts per request (target ids [B, count]); the steps' keys are dropped after."""
+        if not bool(self.extended.all()):
+            raise RuntimeError("propose() before extend(): the drafter has read no verified rows of some request")
         committed = self.keys.shape[2]
         hidden, drafts = self.last_hidden, []
+        every = torch.ones((hidden.shape[0], 1), dtype=torch.bool, device=hidden.device)
         for step in range(count):
-            token = self.draft_to_target[self.drafter.logits(hidden).argmax()]
-            drafts.append(int(token))
+            token = self.draft_to_target[self.drafter.logits(hidden).argmax(dim=-1)]  # [B]
+            drafts.append(token)
             if step + 1 < count:
-                position = torch.tensor([self.last_position + step + 1], device=hidden.device)
-                hidden = self._layer(hidden[None], token.view(1), position)[0]
+                position = (self.last_position + step + 1)[:, None]
+                hidden = self._layer(hidden[:, None], token[:, None], position, every)[:, 0]
         self.keys, self.values = self.keys[:, :, :committed], self.values[:, :, :committed]
-        return drafts
+        self.key_valid = self.key_valid[:, :committed]
+        return torch.stack(drafts, dim=1) if drafts else torch.zeros((hidden.shape[0], 0), dtype=torch.long,
+                                                                    device=hidden.device)
+
+
+# -- the oracle's verdict ---------------------------------------------------------------------------
+# A difference between the speculative output and the full-forward reference is a numerical near-tie
+# when, in the target's own full forward at that token, the token the speculative path chose scores
+# within this share of the top logit's size below the target's choice: a few units of the last place
+# of bf16/fp16 (8 and 11 significant bits) after the rounding of dozens of layers computed in another
+# order (a batched, cached forward against a full one), and far below that in float32. A cache that
+# is ignored or misaligned picks tokens far from the top.
+NEAR_TIE_RELATIVE = {"float32": 1e-4, "bfloat16": 2.0**-5, "float16": 2.0**-8}
+
+
+@dataclass
+class Mismatch:
+    """Where a speculative output first differs from the target's full-forward greedy decode, and why."""
+
+    first_difference: int
+    ours: Top2 | None  # the speculative path's top-2 at that token (None: its output ended before)
+    reference: Top2 | None  # the full forwards' top-2 there
+    ours_token: int | None = None
+    context: list[int] = field(default_factory=list)  # the output tokens before the difference (both agree)
+    gap: float | None = None  # full forward: logit of the target's choice - logit of ours
+    near_tie: bool = False
+
+    def as_dict(self) -> dict:
+        """For evaluation.json."""
+        return {"first_difference": self.first_difference, "near_tie": self.near_tie, "ours_token": self.ours_token,
+                "logit_gap": self.gap, "ours": None if self.ours is None else self.ours.__dict__,
+                "reference": None if self.reference is None else self.reference.__dict__,
+                "reference_gap": None if self.reference is None
+                else self.reference.first_logit - self.reference.second_logit}
+
+
+def compare_with_reference(ours: SpeculativeOutput, reference: tuple[list[int], list[Top2]]) -> Mismatch | None:
+    """None when the speculative output equals the reference decode token for token, else the first difference
+    (its ``gap`` and ``near_tie`` are settled by ``TargetModel.judge_mismatches``)."""
+    ids, tops = reference
+    if ours.output_ids == ids:
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(ours.output_ids, ids)) if a != b), min(len(ids), len(ours.output_ids)))
+    return Mismatch(at, ours.top2[at] if at < len(ours.top2) else None, tops[at] if at < len(tops) else None,
+                    ours.output_ids[at] if at < len(ours.output_ids) else None, list(ids[:at]))
 
 
 # -- the decoding loop --------------------------------------------------------------------------
@@ -242,56 +431,81 @@ class Round:
 
 @dataclass
 class SpeculativeOutput:
-    """One request's speculative decode."""
+    """One request's speculative decode: its tokens, its rounds, and the target's top-2 at each token."""
 
     output_ids: list[int]
     rounds: list[Round]
-    wall_s: float
+    top2: list[Top2] = field(default_factory=list)
 
 
-def speculative_generate(target: TargetModel, proposer, prompt_ids: list[int], max_new_tokens: int,
-                         draft_tokens: int, ignore_eos: bool = False) -> SpeculativeOutput:
-    """Greedy chain speculative decoding of one prompt (see the module docstring).
+@torch.inference_mode()
+def speculative_generate(target: TargetModel, proposer, prompts: list[list[int]], max_new_tokens: int,
+                         draft_tokens: int, ignore_eos: bool = False) -> list[SpeculativeOutput]:
+    """Greedy chain speculative decoding of a batch of prompts (see the module docstring).
 
-    ``proposer`` has ``reset()``, ``extend(aux, token_ids, start)`` and ``propose(k) -> [target ids]``
-    (``EagleProposer``; tests give others, e.g. a perfect oracle).
+    ``proposer`` has ``reset(batch_size)``, ``extend(aux, token_ids, positions, valid)`` (all [B, n]) and
+    ``propose(k) -> target ids [B, k]`` (``EagleProposer``; tests give others, e.g. a perfect oracle).
     """
-    if not prompt_ids:
+    if not prompts or any(not prompt for prompt in prompts):
         raise EvaluationError("an empty prompt: nothing to decode from")
     if max_new_tokens < 1 or draft_tokens < 1:
         raise EvaluationError(f"max_new_tokens ({max_new_tokens}) and draft_tokens ({draft_tokens}) must be >= 1")
-    started = time.perf_counter()
+    device = target.device
     stops = set() if ignore_eos else target.eos_token_ids
-    cache = target.new_cache()
-    proposer.reset()
-    aux, logits = target.forward(list(prompt_ids), cache, 0)
-    output = [int(logits[-1].argmax())]
-    rounds: list[Round] = []
-    finished = output[0] in stops or len(output) >= max_new_tokens
-    if not finished:
-        proposer.extend(aux, list(prompt_ids[1:]) + output, 0)
-    while not finished:
-        count = min(draft_tokens, max_new_tokens - len(output) - 1)
-        drafts = proposer.propose(count) if count > 0 else []
-        base = len(prompt_ids) + len(output) - 1  # position of the last output token, not yet in the cache
-        aux, logits = target.forward([output[-1], *drafts], cache, base)
-        choices = logits.argmax(-1).tolist()  # the target's greedy token after each of those
-        accepted = 0
-        while accepted < count and drafts[accepted] == choices[accepted]:
-            accepted += 1
-        if accepted < count:
-            crop_cache(cache, count - accepted)  # the rejected drafts' keys
-        new = [*drafts[:accepted], choices[accepted]]
-        for index, token in enumerate(new):
-            if token in stops:
-                new, finished = new[: index + 1], True
-                break
-        rounds.append(Round(drafted=count, accepted=accepted, produced=len(new)))
-        output += new
-        finished = finished or len(output) >= max_new_tokens
-        if not finished:
-            proposer.extend(aux[: accepted + 1], new, base)
-    return SpeculativeOutput(output_ids=output, rounds=rounds, wall_s=time.perf_counter() - started)
+    batch = len(prompts)
+    lengths = [len(prompt) for prompt in prompts]
+    state, aux, tops = target.prefill(prompts)
+    results = [SpeculativeOutput([top.first_id], [], [top]) for top in tops]
+    active = [not (r.output_ids[0] in stops or max_new_tokens <= 1) for r in results]
+    # Draft extend over the prompt: a_t paired with x_{t+1} (the prompt's next token, then the first output).
+    width = max(lengths)
+    tokens = torch.zeros((batch, width), dtype=torch.long)
+    for b, prompt in enumerate(prompts):
+        tokens[b, : lengths[b]] = torch.tensor([*prompt[1:], results[b].output_ids[0]])
+    positions = torch.arange(width, device=device).expand(batch, width)
+    proposer.reset(batch)
+    proposer.extend(aux, tokens.to(device), positions, positions < torch.tensor(lengths, device=device)[:, None])
+    next_position = torch.tensor(lengths, device=device)  # where each request's last output token goes
+    last_token = torch.tensor([r.output_ids[0] for r in results], device=device)
+    while any(active):
+        counts = [min(draft_tokens, max_new_tokens - len(r.output_ids) - 1) if on else 0
+                  for r, on in zip(results, active)]
+        drafted = max(counts)
+        drafts = proposer.propose(drafted) if drafted else torch.zeros((batch, 0), dtype=torch.long, device=device)
+        ids = torch.cat([last_token[:, None], drafts.to(device)], dim=1)  # [B, 1 + drafted]
+        steps = torch.arange(drafted + 1, device=device)
+        aux, values, top_ids = target.extend(state, ids, next_position[:, None] + steps)
+        choices = top_ids[..., 0]  # the target's greedy token after each of those
+        leading = (drafts.to(device) == choices[:, :drafted]).long().cumprod(dim=1).sum(dim=1)
+        accepted = torch.minimum(leading, torch.tensor(counts, device=device))
+        host_accepted, host_choices = accepted.tolist(), choices.tolist()
+        host_values, host_ids = values.tolist(), top_ids.tolist()
+        extend_valid = torch.zeros((batch, drafted + 1), dtype=torch.bool)
+        for b, result in enumerate(results):
+            if not active[b]:
+                continue
+            taken = host_accepted[b]
+            new = host_choices[b][: taken + 1]  # the accepted drafts (equal to the target's choices) and the bonus
+            finished = False
+            for index, token in enumerate(new):
+                if token in stops:
+                    new, finished = new[: index + 1], True
+                    break
+            result.rounds.append(Round(drafted=counts[b], accepted=taken, produced=len(new)))
+            result.output_ids += new
+            result.top2 += [Top2(host_ids[b][j][0], host_values[b][j][0], host_ids[b][j][1], host_values[b][j][1])
+                            for j in range(len(new))]
+            active[b] = not (finished or len(result.output_ids) >= max_new_tokens)
+            if active[b]:
+                extend_valid[b, : taken + 1] = True
+        state.drop(steps[None, :] <= accepted[:, None])  # the rejected drafts' slots
+        # Draft extend over the verified rows: the aux of each with the token after it, which is the target's
+        # choice there (an accepted draft equals it; the last one is the bonus).
+        if any(active):
+            proposer.extend(aux, choices, next_position[:, None] + steps, extend_valid.to(device))
+        next_position = next_position + accepted + 1
+        last_token = choices.gather(1, accepted[:, None])[:, 0]
+    return results
 
 
 @dataclass

@@ -33,6 +33,7 @@ SECTIONS = (
     ("acceptance", "Acceptance: measured vs simulated"),
     ("drafter", "Drafter and serving"),
 )
+SHOWN_EXCLUDED = 50  # rows of the excluded held-out prompts (evaluation.json has them all)
 STYLE = """
 :root { color-scheme: light; --fg: #1d2430; --muted: #5b6577; --line: #d8dde6; --bg: #f6f8fb; --accent: #1f6feb; }
 * { box-sizing: border-box; }
@@ -370,6 +371,50 @@ def _recorded_simulated_tau(record: dict) -> str:
     return f"{number(float(tau))}" + (f" ({source})" if isinstance(source, str) and source else "")
 
 
+def verdict_html(record: dict) -> list[Html]:
+    """The evaluation's verdict: measured against what the training predicts, and the output check."""
+    verdict = record.get("verdict")
+    if not isinstance(verdict, dict):
+        return []
+    if verdict.get("passed", True):
+        judged = "measured acceptance within what the training predicts" if verdict.get("judged") else \
+            "too few rounds to judge the acceptance against the training's prediction"
+        return [tag("p", tag("strong", f"Evaluation passed: {judged}."), class_="ok")]
+    items = [tag("li", problem) for problem in verdict.get("problems") or []]
+    causes = [tag("li", cause) for cause in verdict.get("likely_causes") or []]
+    return [tag("div", join([tag("p", tag("strong", "Evaluation FAILED: the drafter serves far below what its training "
+                                                   "predicts, or its outputs are not the target's own.")),
+                             tag("ul", join(items)), tag("p", "Likely causes, most frequent first:"),
+                             tag("ol", join(causes))]), class_="bad")]
+
+
+def chains_html(record: dict) -> list[Html]:
+    """Measured against predicted at every chain length the evaluation ran (SpecForge's 3-1-4 and 7-1-8)."""
+    runs = [run for run in record.get("runs") or [] if isinstance(run, dict)]
+    if not runs:
+        return []
+    rows = [(number(run.get("draft_tokens")), number(run.get("tau")), number(run.get("predicted_tau")),
+             per_position(run.get("conditional_acceptance_per_position")),
+             per_position(run.get("predicted_conditional_acceptance")), number(run.get("tokens_per_s"), 1))
+            for run in runs]
+    return [tag("h3", "At each chain length (same prompts)"),
+            table(["drafts per verify", "measured tau", "predicted tau", "measured P(accepted | earlier accepted)",
+                   "predicted by the training", "tokens/s"], rows, numeric=(0, 1, 2, 5))]
+
+
+def excluded_html(record: dict) -> list[Html]:
+    """Held-out prompts left out because the training data has them (or they repeat one)."""
+    excluded = [e for e in record.get("excluded_prompts") or [] if isinstance(e, dict)]
+    if not excluded:
+        return []
+    rows = [(as_text(e.get("id")), number(e.get("line")), as_text(e.get("reason")), as_text(e.get("other")))
+            for e in excluded[:SHOWN_EXCLUDED]]
+    more = [tag("p", f"... and {len(excluded) - SHOWN_EXCLUDED} more: evaluation.json lists every one.",
+                class_="muted")] if len(excluded) > SHOWN_EXCLUDED else []
+    return [tag("h3", f"Prompts excluded ({len(excluded)}): seen in training or repeated"),
+            table(["id", "line", "reason", "matches"], rows, numeric=(1,)), *more]
+
+
 def acceptance_section(inputs: ReportInputs, page: Page) -> Html:
     """Measured tau and acceptance per position beside the training's simulation."""
     acceptance, evaluation = inputs.acceptance, inputs.evaluation
@@ -398,16 +443,25 @@ def acceptance_section(inputs: ReportInputs, page: Page) -> Html:
         rows.append(("SGLang's accept length (completion tokens / verify forwards)",
                      number(record["sglang_accept_length"])))
     if "tokens_per_s" in record:
-        rows.append(("tokens/s with drafting, without", f"{number(record.get('tokens_per_s'), 1)}, "
-                                                        f"{number(record.get('tokens_per_s_without_drafting'), 1)}"))
-    if "outputs_match_target" in record:
+        rows.append(("tokens/s with drafting", number(record.get("tokens_per_s"), 1)))
+    check = record.get("reference_check") if isinstance(record.get("reference_check"), dict) else None
+    if check is not None and check.get("checked"):
+        mismatches = [m for m in check.get("mismatches") or [] if isinstance(m, dict)]
+        faults = [m for m in mismatches if not m.get("near_tie")]
+        text = "yes, every output" if not mismatches else (
+            f"{len(mismatches) - len(faults)} differ at a numerical near-tie (logit gaps "
+            f"{', '.join(number(m.get('logit_gap'), 3) for m in mismatches if m.get('near_tie'))}), "
+            f"{len(faults)} differ otherwise")
+        rows.append((f"output equals the target's own greedy decode ({as_text(check.get('method'))})",
+                     tag("span", text, class_="bad" if faults else "ok")))
+    elif "outputs_match_target" in record:
         match = record["outputs_match_target"]
         mismatches = record.get("output_mismatches")
         rows.append(("output equals the target's own greedy decode",
                      tag("span", "yes", class_="ok") if match is True
                      else tag("span", f"no: {as_text(mismatches)}", class_="bad") if match is False else "not checked"))
     rows.append(("record", tag("code", evaluation.path)))
-    parts: list[object] = [table(None, rows)]
+    parts: list[object] = [*verdict_html(record), table(None, rows), *chains_html(record), *excluded_html(record)]
     if measured:
         simulated = acceptance.simulated_rates or []
         conditional = record.get("conditional_acceptance_per_position")
@@ -478,9 +532,12 @@ def summary_cards(inputs: ReportInputs) -> Html:
     """The run at a glance."""
     m = inputs.extraction.manifest or {}
     acceptance = inputs.acceptance
+    verdict = (inputs.evaluation.record or {}).get("verdict")
     cards = [
         ("measured acceptance length tau", number(acceptance.measured_tau, 2) if not acceptance.reason
          else "not measured"),
+        ("evaluation verdict", "-" if not isinstance(verdict, dict) else
+         "passed" if verdict.get("passed", True) else "FAILED"),
         ("simulated tau (training)", number(acceptance.simulated_tau, 2) if acceptance.simulated_tau else "-"),
         ("samples", number(m.get("num_samples"))),
         ("tokens", number(m.get("num_tokens"))),

@@ -1,0 +1,95 @@
+"""Is the measured acceptance what the training predicts? The check that fails a useless drafter loudly.
+
+The training measures, on its held-out split, the drafter's conditional top-1 agreement with the
+target at each draft position (``cond_acc_k``: right at position k given positions 0..k-1 right).
+Speculative decoding measures the same thing for real: among the verify rounds that reached draft
+position k (every earlier draft accepted), the share that accepted it. A drafter that serves with
+far less than its training promises is the silent failure EAGLE users report most (aux layers,
+vocabulary mapping, chat template or KV cache that differ between training and serving), so the
+evaluation FAILS when, at some position, even the upper end of the 99 % confidence interval of the
+measured rate (Wilson's) is below ``min_ratio`` times the prediction. Positions reached fewer than
+``MIN_ROUNDS`` times are not judged (too few to tell). Outputs that differ from the target's own
+greedy decode other than by numerical near-ties fail it too: the decode itself is wrong then.
+"""
+
+from __future__ import annotations
+
+import math
+
+from eagle3_pipeline.train.model import acceptance_length
+
+MIN_ROUNDS = 30
+Z_99 = 2.5758  # two-sided 99 %
+DEFAULT_MIN_RATIO = 0.5
+
+LIKELY_CAUSES = [
+    "the target's forward with a KV cache differs from a full forward (a transformers version that takes the cache "
+    "under another name; the reference engine checks this at start, so look at which engine and version served)",
+    "the drafter was trained on other aux layers, or another layer convention, than the serving target captures "
+    "(config.json eagle_config.eagle_aux_hidden_state_layer_ids against the extraction's data_config.json)",
+    "a draft vocabulary mapping (d2t/t2d) that does not fit the target's vocabulary, or another target model or "
+    "tokenizer than the one the data was extracted with",
+    "a chat template at serving that differs from the extraction's (the prompts would not be the training "
+    "distribution)",
+    "held-out prompts unlike the training data (another language or domain), or answers in the training data that "
+    "are not the target's own: regenerate them with the target (playbooks/regenerate.yml)",
+]
+
+
+def wilson_upper(successes: int, trials: int, z: float = Z_99) -> float:
+    """Upper end of Wilson's score interval for a binomial rate."""
+    if trials <= 0:
+        return 1.0
+    rate = successes / trials
+    centre = rate + z * z / (2 * trials)
+    spread = z * math.sqrt(rate * (1 - rate) / trials + z * z / (4 * trials * trials))
+    return min(1.0, (centre + spread) / (1 + z * z / trials))
+
+
+def predicted_rates(training: dict) -> tuple[list[float] | None, str | None]:
+    """The training's conditional acceptance per position: its held-out eval split's, else its last batch's."""
+    for key, where in (("eval", "the training's held-out split"), ("last", "the training's last batch")):
+        rates = (training.get(key) or {}).get("cond_acc_k")
+        if isinstance(rates, list) and rates and all(isinstance(r, (int, float)) for r in rates):
+            return [float(r) for r in rates], where
+    return None, None
+
+
+def predicted_tau(rates: list[float] | None, draft_tokens: int) -> float | None:
+    """1 + the simulated accepted drafts of a chain of ``draft_tokens`` (None past what the training measured)."""
+    if not rates or draft_tokens > len(rates):
+        return None
+    return 1.0 + acceptance_length(rates[:draft_tokens])
+
+
+def judge(runs: list[dict], rates: list[float] | None, source: str | None, reference_faults: int,
+          min_ratio: float = DEFAULT_MIN_RATIO) -> dict:
+    """The verdict over every measured chain length.
+
+    ``runs``: per chain length ``draft_tokens``, ``accepted`` and ``reached`` counts per position
+    (``AcceptanceStats``). ``reference_faults``: outputs that differ from the full-forward decode other
+    than by near-ties.
+    """
+    positions, problems = [], []
+    for run in runs:
+        for index, (accepted, reached) in enumerate(zip(run["accepted"], run["reached"])):
+            if rates is None or index >= len(rates) or min_ratio <= 0:
+                continue
+            measured = accepted / reached if reached else None
+            upper = wilson_upper(accepted, reached)
+            judged = reached >= MIN_ROUNDS
+            ok = not judged or upper >= min_ratio * rates[index]
+            positions.append({"draft_tokens": run["draft_tokens"], "position": index + 1, "measured": measured,
+                              "rounds": reached, "upper_99": upper, "predicted": rates[index], "judged": judged,
+                              "ok": ok})
+            if not ok:
+                problems.append(
+                    f"chain of {run['draft_tokens']}, draft position {index + 1}: accepted in {accepted} of {reached} "
+                    f"rounds that reached it ({measured:.3f}; 99 % upper bound {upper:.3f}), while {source} predicts "
+                    f"{rates[index]:.3f} (the check asks for at least {min_ratio:g} of that)")
+    if reference_faults:
+        problems.append(f"{reference_faults} output(s) differ from the target's own greedy decode by full forwards, "
+                        "other than by numerical near-ties: the speculative decode itself reads wrong states")
+    return {"passed": not problems, "min_ratio": min_ratio, "min_rounds": MIN_ROUNDS, "predicted_from": source,
+            "positions": positions, "problems": problems, "likely_causes": LIKELY_CAUSES if problems else [],
+            "judged": any(p["judged"] for p in positions) or bool(reference_faults)}
