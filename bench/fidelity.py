@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -59,6 +60,24 @@ def run(argv: list[str], what: str, env: dict | None = None) -> float:
     return seconds
 
 
+def run_together(jobs: list[tuple[list[str], str]], env: dict) -> dict[str, float]:
+    """Start every command at once (the GPU is far from busy with one small drafter), wait for all; their seconds.
+    Each one's output goes to ``<what>.log`` beside the work dir's other files; a failure stops the benchmark."""
+    started, running = time.perf_counter(), []
+    for argv, what, log in jobs:
+        say(f"{what}: started ({' '.join(argv[:4])} ...), log {log}")
+        running.append((subprocess.Popen(argv, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT), what, log))
+    seconds = {}
+    for process, what, log in running:
+        code = process.wait()
+        seconds[what] = time.perf_counter() - started
+        if code != 0:
+            tail = log.read_text(errors="replace")[-3000:]
+            raise SystemExit(f"[fidelity] {what} failed (exit {code}); the end of {log}:\n{tail}")
+        say(f"{what}: done after {seconds[what]:.1f} s")
+    return seconds
+
+
 def write_inventory(work: Path, args, regenerate: bool) -> Path:
     """The example inventory with this machine as its one host and every path under ``work``."""
     example = yaml.safe_load(EXAMPLE.read_text())
@@ -76,13 +95,15 @@ def write_inventory(work: Path, args, regenerate: bool) -> Path:
         "regeneration_enabled": regenerate, "regeneration_output_dir": str(work / "regeneration"),
         "regeneration_max_new_tokens": args.regeneration_max_new_tokens,
         "extraction_dataset": str(args.sharegpt), "extraction_num_samples": args.conversations,
+        "extraction_max_length": args.max_length,
         "extraction_output_dir": str(run_dir / "data"), "extraction_state_dir": str(work / "jobs"),
-        "eagle_training_output_dir": str(run_dir / "training"), "eagle_training_drafter_dir": str(run_dir / "drafter"),
+        "eagle_training_output_dir": str(run_dir / "training"),
+        "eagle_training_drafter_dir": str(run_dir / "training" / "drafter"),
         "eagle_training_state_dir": str(work / "jobs"), "eagle_training_seed": args.seeds[0],
         "eagle_training_device": args.device,
         "evaluation_prompts": str(args.sharegpt), "evaluation_num_prompts": args.heldout,
         "evaluation_max_new_tokens": args.max_new_tokens, "evaluation_output_dir": str(run_dir / "evaluation"),
-        "evaluation_device": args.device,
+        "evaluation_device": args.device, "evaluation_batch_tokens": args.eval_batch_tokens,
     })
     for key in ("epochs", "lr", "batch_tokens"):
         value = getattr(args, key)
@@ -94,16 +115,20 @@ def write_inventory(work: Path, args, regenerate: bool) -> Path:
     return path
 
 
-def site(work: Path, args, regenerate: bool, env: dict) -> float:
+def site(work: Path, args, regenerate: bool, env: dict, skip_tags: str = "") -> float:
     """playbooks/site.yml over this machine, as an operator runs it."""
     inventory = write_inventory(work, args, regenerate)
-    return run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inventory),
-                str(ROOT / "playbooks" / "site.yml")], f"site.yml ({'with' if regenerate else 'without'} regeneration)",
-               env)
+    playbook = shutil.which("ansible-playbook", path=os.pathsep.join([str(Path(sys.executable).parent),
+                                                                      os.environ.get("PATH", "")]))
+    if playbook is None:
+        raise SystemExit("[fidelity] ansible-playbook not found beside this Python or on PATH")
+    return run([playbook, "-i", str(inventory),
+                str(ROOT / "playbooks" / "site.yml"), *(["--skip-tags", skip_tags] if skip_tags else [])],
+               f"site.yml ({'with' if regenerate else 'without'} regeneration)", env)
 
 
-def train_ours(work: Path, data_dir: Path, reference: dict, seed: int, args, env: dict) -> Path:
-    """Our trainer on ``data_dir`` with the settings of the site run's training, another seed."""
+def train_ours(work: Path, data_dir: Path, reference: dict, seed: int, args) -> tuple[list[str], Path]:
+    """Our trainer on ``data_dir`` with the settings of the site run's training, another seed: (argv, out)."""
     config = reference["config"]
     out = work / "regenerated" / f"training-seed{seed}"
     argv = [sys.executable, "-m", "eagle3_pipeline.cli", "train", "--data-dir", str(data_dir), "--output-dir",
@@ -112,12 +137,11 @@ def train_ours(work: Path, data_dir: Path, reference: dict, seed: int, args, env
                 "grad_clip", "weight_decay"):
         if config.get(key) is not None:
             argv += [f"--{key.replace('_', '-')}", str(config[key])]
-    run(argv, f"ours, seed {seed}", env)
-    return out
+    return argv, out
 
 
-def train_specforge(work: Path, data_dir: Path, reference: dict, seed: int, args, env: dict) -> Path:
-    """SpecForge 0.2.0's step over the same batches: the steps, lr, batch and seed of ours."""
+def train_specforge(work: Path, data_dir: Path, reference: dict, seed: int, args) -> tuple[list[str], Path]:
+    """SpecForge 0.2.0's step over the same batches: the steps, lr, batch and seed of ours: (argv, out)."""
     config = reference["config"]
     out = work / "regenerated" / f"specforge-seed{seed}"
     argv = [sys.executable, str(ROOT / "bench" / "specforge_trainer.py"), "--data-dir", str(data_dir),
@@ -129,11 +153,10 @@ def train_specforge(work: Path, data_dir: Path, reference: dict, seed: int, args
         argv += ["--draft-vocab-size", str(config["draft_vocab_size"])]
     if args.specforge_path:
         argv += ["--specforge-path", args.specforge_path]
-    run(argv, f"SpecForge 0.2.0, seed {seed}", env)
-    return out
+    return argv, out
 
 
-def measure(drafters: dict[str, Path], data_dir: Path, args, dtype: str) -> dict:
+def measure(drafters: dict[str, Path], data_dir: Path, args, dtype: str, prompts: int, chains=CHAINS) -> dict:
     """Every drafter by the same speculative decoding on the same held-out prompts (see the module docstring)."""
     from eagle3_pipeline.evaluate.command import check_outputs, judge_runs, measure_chains  # noqa: PLC0415
     from eagle3_pipeline.evaluate.heldout import select_heldout_prompts  # noqa: PLC0415
@@ -146,7 +169,7 @@ def measure(drafters: dict[str, Path], data_dir: Path, args, dtype: str) -> dict
     target_path = manifest["target_model_path"]
     renderer = load_renderer(Path(target_path), manifest.get("chat_template_file"))
     started = time.perf_counter()
-    selection = select_heldout_prompts(args.sharegpt, renderer, data, args.heldout, args.heldout)
+    selection = select_heldout_prompts(args.sharegpt, renderer, data, prompts, prompts)
     say(f"{len(selection.prompts)} held-out prompts ({len(selection.excluded)} excluded as seen in training) in "
         f"{time.perf_counter() - started:.1f} s")
     target = TargetModel.load(target_path, [int(a) for a in manifest["aux_layers"]], device=args.device,
@@ -162,7 +185,7 @@ def measure(drafters: dict[str, Path], data_dir: Path, args, dtype: str) -> dict
                "reference_decode_s": reference_s, "drafters": {}}
     for name, training_dir in drafters.items():
         drafter, _ = load_drafter(training_dir / "drafter", target.input_embeddings(), device=target.device)
-        runs, outputs = measure_chains(target, EagleProposer(drafter), prompt_ids, list(CHAINS),
+        runs, outputs = measure_chains(target, EagleProposer(drafter), prompt_ids, list(chains),
                                        args.max_new_tokens, args.eval_batch_tokens, say=lambda _m: None)
         check = check_outputs(target, prompt_ids, names, outputs, args.max_new_tokens, args.eval_batch_tokens,
                               reference=reference, say=lambda _m: None)
@@ -230,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heldout", type=int, default=200, help="held-out prompts (after the training records)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per held-out prompt")
     parser.add_argument("--regeneration-max-new-tokens", type=int, default=512, help="tokens per regenerated turn")
+    parser.add_argument("--max-length", type=int, default=2048,
+                        help="tokens per conversation kept by the extraction (and so regenerated)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--epochs", type=int, help="default: the example inventory's")
     parser.add_argument("--lr", type=float, help="default: the example inventory's")
@@ -240,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-fp32", action="store_true", help="no float32 re-measurement")
     parser.add_argument("--specforge-path", help="where specforge 0.2.0 is installed (default: its trainer's)")
     parser.add_argument("--only-measure", action="store_true", help="measure the drafters already trained in --work")
+    parser.add_argument("--part", choices=("1", "2", "all"), default="all",
+                        help="1: the site run with regeneration only; 2: everything after it (a device call each)")
+    parser.add_argument("--fp32-prompts", type=int, default=64, help="held-out prompts of the float32 re-measurement")
     args = parser.parse_args(argv)
     args.work = args.work.resolve()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -247,35 +275,47 @@ def main(argv: list[str] | None = None) -> int:
                                                                      os.environ.get("PYTHONPATH")])),
            "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg")}
     os.environ.update({"PYTHONPATH": env["PYTHONPATH"]})
-    times: dict[str, float] = {}
+    record_path = args.work / "fidelity.json"
+    results = json.loads(record_path.read_text()) if record_path.is_file() else {"times_s": {}}
+    results["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    times = results["times_s"]
     regenerated = args.work / "regenerated"
-    drafters: dict[str, Path] = {}
-    if not args.only_measure:
+    if args.part in ("1", "all"):
         times["site.yml with regeneration"] = site(args.work, args, True, env)
+        for stage in ("regeneration/regeneration.json",):
+            if (args.work / stage).is_file():
+                results[stage] = json.loads((args.work / stage).read_text())
+        record_path.write_text(json.dumps(results, indent=1))
+    if args.part == "1":
+        return 0
     reference = json.loads((regenerated / "training" / "training.json").read_text())
-    drafters[f"ours regenerated seed {args.seeds[0]}"] = regenerated / "training"
+    drafters: dict[str, Path] = {f"ours regenerated seed {args.seeds[0]}": regenerated / "training"}
     if not args.skip_original:
         if not args.only_measure:
-            times["site.yml without regeneration"] = site(args.work, args, False, env)
+            # Its drafter is measured below with the others: the stage's own evaluation and report are skipped.
+            times["site.yml without regeneration"] = site(args.work, args, False, env, "evaluate,report")
         drafters[f"ours original seed {args.seeds[0]}"] = args.work / "original" / "training"
+    jobs = []
     for seed in args.seeds[1:]:
-        drafters[f"ours regenerated seed {seed}"] = (
-            regenerated / f"training-seed{seed}" if args.only_measure
-            else train_ours(args.work, regenerated / "data", reference, seed, args, env))
+        argv, out = train_ours(args.work, regenerated / "data", reference, seed, args)
+        jobs.append((argv, f"ours, seed {seed}", args.work / f"ours-seed{seed}.log"))
+        drafters[f"ours regenerated seed {seed}"] = out
     for seed in [] if args.skip_specforge else args.seeds:
-        drafters[f"specforge regenerated seed {seed}"] = (
-            regenerated / f"specforge-seed{seed}" if args.only_measure
-            else train_specforge(args.work, regenerated / "data", reference, seed, args, env))
+        argv, out = train_specforge(args.work, regenerated / "data", reference, seed, args)
+        jobs.append((argv, f"SpecForge 0.2.0, seed {seed}", args.work / f"specforge-seed{seed}.log"))
+        drafters[f"specforge regenerated seed {seed}"] = out
+    if jobs and not args.only_measure:
+        times.update({f"training {what} (together)": seconds for what, seconds in run_together(jobs, env).items()})
     dtype = "bfloat16" if args.device != "cpu" else "float32"
-    results = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-               "times_s": times, "measured": [measure(drafters, regenerated / "data", args, dtype)]}
+    began = time.perf_counter()
+    results["measured"] = [measure(drafters, regenerated / "data", args, dtype, args.heldout)]
+    times[f"measuring {len(drafters)} drafters ({dtype})"] = time.perf_counter() - began
     if not args.skip_fp32 and dtype != "float32":
         first = next(iter(drafters))
-        results["measured"].append(measure({first: drafters[first]}, regenerated / "data", args, "float32"))
-    for stage in ("regeneration/regeneration.json",):
-        path = args.work / stage
-        if path.is_file():
-            results[stage] = json.loads(path.read_text())
+        began = time.perf_counter()
+        results["measured"].append(measure({first: drafters[first]}, regenerated / "data", args, "float32",
+                                           args.fp32_prompts))
+        times["measuring in float32"] = time.perf_counter() - began
     (args.work / "fidelity.json").write_text(json.dumps(results, indent=1))
     for line in summary(results["measured"][0]):
         print(line, flush=True)

@@ -76,6 +76,15 @@ def process_running(pid, start_time=None):
     return start_time is None or info.starttime == start_time
 
 
+def job_running(job):
+    """True while a supervised job has not ended for good: its process runs, or it just ended and its
+    supervisor, still running, has yet to record the exit code (a process killed with SIGKILL is a
+    zombie until the supervisor reaps it: judging it then would report "no exit code")."""
+    if job.get("exit_code") is not None:
+        return False
+    return process_running(job.get("pid"), job.get("pid_start_time")) or process_running(job.get("supervisor_pid"))
+
+
 def describe_exit(code):
     """``exited with code 2`` or ``was killed by SIGKILL`` (the supervisor records -N for signal N)."""
     if code is not None and code < 0:
@@ -147,8 +156,7 @@ def assess(progress, job):
     state = mine.get("state") if mine is not None else None
     if state in FINAL_STATES:
         return state, mine
-    exit_code = job.get("exit_code")
-    if exit_code is None and process_running(pid, job.get("pid_start_time")):
+    if job_running(job):
         return ("running" if mine is not None else "starting"), mine
     # The process ended: through the supervisor (exit code recorded) or with it (none recorded).
     return "dead", mine

@@ -30,7 +30,7 @@ from ansible.module_utils.extraction_progress import (
     ProgressError,
     describe_exit,
     format_duration,
-    process_running,
+    job_running,
     read_json,
     wait_for_change,
 )
@@ -127,7 +127,7 @@ def assess(progress, job, node_rank=0):
     mine = progress if is_this_jobs(progress, job) else None
     said = mine.get("state") if mine is not None else None
     exit_code = job.get("exit_code")
-    alive = exit_code is None and process_running(job.get("pid"), job.get("pid_start_time"))
+    alive = job_running(job)
     if said in ("failed", "stopped") or (said == "done" and (node_rank == 0 or not alive)):
         return said, mine
     if alive:

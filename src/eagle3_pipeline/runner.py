@@ -40,6 +40,7 @@ from eagle3_pipeline import project_root
 STAGES = {
     "site": "site.yml",
     "gpu-reset": "gpu_reset.yml",
+    "regenerate": "regenerate.yml",
     "serve": "sglang_server.yml",
     "extract": "extract.yml",
     "train": "train.yml",

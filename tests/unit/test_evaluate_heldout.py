@@ -145,3 +145,16 @@ def test_prefix_digest_cuts_at_the_first_assistant_token():
     assert prefix_digest([1, 2, 3, 4], [0, 0, 1, 1]) == prefix_digest([1, 2, 9], [0, 0, 1])
     assert prefix_digest([1, 2, 3, 4], [0, 0, 1, 1]) != prefix_digest([1, 2, 3, 4], [0, 0, 0, 1])
 
+
+
+def test_ids_the_reader_made_up_are_known_from_the_manifest():
+    """A JSON array's records without an id are named record-N: the manifest says they were made up (older
+    manifests: JSON Lines' line-N), so a held-out record whose real id is record-N is not taken for them."""
+    from types import SimpleNamespace
+
+    from eagle3_pipeline.evaluate.heldout import _generated_ids
+
+    files = [{"id": "record-3", "id_generated": True, "line": 1}, {"id": "record-4", "id_generated": False, "line": 1},
+             {"id": "line-2", "line": 2}, {"id": "t-9", "line": 3}]
+    assert _generated_ids(SimpleNamespace(manifest={"shards": {"rows_0-8": {"files": files}}})) == {"record-3",
+                                                                                                  "line-2"}

@@ -87,6 +87,20 @@ def test_each_turn_is_asked_after_the_regenerated_history_and_replaced(renderer)
     assert result.prompt_tokens == sum(len(p) for p in script.prompts)
 
 
+def test_assistant_turns_before_the_first_user_turn_are_left_out_and_the_rest_answered(renderer):
+    """ShareGPT splits long conversations: a later part starts with the assistant, answering nothing asked."""
+    continued = [{"role": "assistant", "content": "An ORIGINAL answer to a question of an earlier part."},
+                 *CONVERSATION[1:3]]
+    script = Scripted(renderer, ["first new"])
+    result = regenerate_conversation(continued, renderer, script, max_new_tokens=64, max_length=2048)
+    assert [(m["role"], m["content"]) for m in result.messages] == [("user", "What is json?"),
+                                                                   ("assistant", "first new")]
+    assert (result.turns, result.leading_dropped, result.turns_left_out) == (1, 1, 0)
+    with pytest.raises(ConversationSkipped) as skipped:
+        regenerate_conversation(continued[:1], renderer, script, max_new_tokens=64, max_length=2048)
+    assert skipped.value.reason == "no_user_turn"
+
+
 def test_the_prompt_tokens_are_the_extractions_tokens_of_the_same_text(renderer):
     script = Scripted(renderer, ["first new", "second new", "third new"])
     result = run(renderer, script)

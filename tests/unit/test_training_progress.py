@@ -368,3 +368,15 @@ def test_bad_options_fail_naming_the_option(tmp_path, capsys, args, message):
     code, result = run_module(module, {"output_dir": str(tmp_path), **args}, capsys)
 
     assert code == 1 and message in result["msg"]
+
+
+def test_a_job_that_just_ended_is_not_judged_before_its_supervisor_records_the_exit():
+    """Killed with SIGKILL, the job is a zombie until its supervisor reaps it and writes the exit code: while the
+    supervisor runs, the job is not final yet (it was once reported as killed with its supervisor)."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    job = {"pid": gone.pid, "pid_start_time": 1, "exit_code": None, "supervisor_pid": os.getpid()}
+    progress = {"pid": gone.pid, "state": "running"}
+    assert assess(progress, job)[0] == "running"
+    assert assess(progress, {**job, "supervisor_pid": gone.pid})[0] == "dead"  # the supervisor gone too
+    assert assess(progress, {**job, "exit_code": -9})[0] == "dead"

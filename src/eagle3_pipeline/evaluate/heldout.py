@@ -137,6 +137,7 @@ def training_prefixes(data) -> dict[str, str]:
 
 def _generated_ids(data) -> set[str]:
     """Manifest ids made up by the reader (records without an id): they name no record."""
+    # Manifests written before ``id_generated`` was recorded: JSON Lines' made-up ids name their line.
     return {str(entry["id"]) for shard in data.manifest["shards"].values() for entry in shard["files"]
             if entry.get("id_generated", str(entry["id"]) == f"line-{entry.get('line')}")}
 

@@ -99,6 +99,7 @@ class Prepared:
     key: str
     input_ids: array
     loss_mask: array
+    id_generated: bool = False  # the record had no id: the reader made one up (it names no record)
 
 
 @dataclass
@@ -226,7 +227,7 @@ def make_plan(cfg: ExtractConfig, client, dry: bool = False, facts=None) -> Plan
         prepared.append(Prepared(
             item.ordinal, item.line, item.sample_id,
             f"{store.shard_dir_name(item.ordinal, cfg.shard_size)}/{item.file_stem}{store.SAMPLE_SUFFIX}",
-            sample_key(settings_hash, item.sample_id, ids_a, mask_a), ids_a, mask_a,
+            sample_key(settings_hash, item.sample_id, ids_a, mask_a), ids_a, mask_a, item.id_generated,
         ))
     parts_dir = cfg.output_dir / store.PARTS_DIR
     splits = {p.name.split(".")[0].split("-of-")[1] for p in parts_dir.glob("part-*-of-*.j*")}
@@ -424,7 +425,8 @@ class SampleWorker:
             incomplete_path(self.cfg.capture_dir, rid).unlink(missing_ok=True)
         return {
             "key": prep.key, "status": "ok", "ordinal": prep.ordinal, "line": prep.line, "id": prep.sample_id,
-            "file": prep.file, "tokens": tokens, "loss_tokens": int(sum(prep.loss_mask)), "bytes": size,
+            "id_generated": prep.id_generated, "file": prep.file, "tokens": tokens,
+            "loss_tokens": int(sum(prep.loss_mask)), "bytes": size,
             "sha256": sha, "checked_positions": agreement.checked, "near_ties": agreement.near_ties,
             "attempts": attempt + 1,
         }

@@ -9,6 +9,11 @@ prompt, tokenized exactly as the extraction tokenizes (``ChatRenderer.generation
 and sent as token ids; the answer comes back as token ids and is decoded without the special
 tokens (the template puts the end-of-turn marker back when the extraction renders it).
 
+An assistant turn before the first user turn has nothing to answer (ShareGPT splits long
+conversations, and a later part starts with the assistant): it is left out, and the conversation
+is answered from its first user turn (``leading_dropped`` counts them); with no user turn at all
+the record is skipped.
+
 Three limits end a conversation early:
 
 - an answer that stops at ``max_new_tokens`` (finish reason ``length``): ``keep`` it and go on
@@ -63,13 +68,14 @@ class Regenerated:
     cut: bool = False  # ended after an answer that hit max_new_tokens (on_length cut)
     limited: bool = False  # ended because the rendered length reached max_length (or the context)
     turns_left_out: int = 0  # assistant turns of the dataset not answered because of cut or limit
+    leading_dropped: int = 0  # assistant turns before the first user turn, left out
 
     def record(self) -> dict:
         """The journal's view of it (JSON-ready)."""
         return {"messages": self.messages, "turns": self.turns, "prompt_tokens": self.prompt_tokens,
                 "generated_tokens": self.generated_tokens, "finish": dict(sorted(self.finish.items())),
                 "truncated_kept": self.truncated_kept, "cut": self.cut, "limited": self.limited,
-                "turns_left_out": self.turns_left_out}
+                "turns_left_out": self.turns_left_out, "leading_dropped": self.leading_dropped}
 
 
 def regenerate_conversation(messages, renderer, generate: Callable[[list[int], int], Answer], *,
@@ -94,6 +100,10 @@ def regenerate_conversation(messages, renderer, generate: Callable[[list[int], i
     for message in messages:
         if message["role"] != "assistant":
             history.append({"role": message["role"], "content": message["content"]})
+            continue
+        if not any(turn["role"] == "user" for turn in history):
+            result.leading_dropped += 1  # nothing asked yet: nothing to answer
+            assistant_turns -= 1
             continue
         try:
             prompt = renderer.generation_prompt_ids(history)
@@ -126,6 +136,8 @@ def regenerate_conversation(messages, renderer, generate: Callable[[list[int], i
         if len(prompt) + len(answer.output_ids) >= max_length and result.turns < assistant_turns:
             ended = "limited"  # later turns would be cut away by the extraction anyway
             break
+    if result.turns == 0 and assistant_turns == 0:
+        raise ConversationSkipped("no_user_turn", "no assistant turn comes after a user turn: nothing to answer")
     if result.turns == 0:
         raise ConversationSkipped(
             "too_long",

@@ -33,7 +33,7 @@ SETTINGS_FILE = "regeneration-settings.json"
 OUTPUT_FILE = "regenerated.jsonl"
 SUMMARY_FILE = "regeneration.json"
 PARTS_DIR = "parts"
-COUNTS = ("turns", "turns_left_out", "prompt_tokens", "generated_tokens", "truncated_kept")
+COUNTS = ("turns", "turns_left_out", "leading_dropped", "prompt_tokens", "generated_tokens", "truncated_kept")
 
 
 class OutputError(ValueError):
@@ -68,7 +68,7 @@ def part_documents(index: int, count: int, records: int, finished: list[dict], r
         "num_records": records,
         "num_conversations": len(written),
         "num_skipped": len(skipped),
-        **{key: sum(r[key] for r in written) for key in COUNTS},
+        **{key: sum(r.get(key, 0) for r in written) for key in COUNTS},  # get: journals of earlier versions
         "finish_reasons": dict(sorted(sum((Counter(r["finish"]) for r in written), Counter()).items())),
         "cut": sum(1 for r in written if r["cut"]),
         "limited": sum(1 for r in written if r["limited"]),
