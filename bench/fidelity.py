@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, help="default: the example inventory's")
     parser.add_argument("--lr", type=float, help="default: the example inventory's")
     parser.add_argument("--batch-tokens", type=int, help="default: the example inventory's")
-    parser.add_argument("--eval-batch-tokens", type=int, default=262144, help="KV slots per evaluation batch")
+    parser.add_argument("--eval-batch-tokens", type=int, default=131072, help="KV slots per evaluation batch")
     parser.add_argument("--skip-original", action="store_true", help="no run without regeneration")
     parser.add_argument("--skip-specforge", action="store_true", help="no SpecForge drafters")
     parser.add_argument("--skip-fp32", action="store_true", help="no float32 re-measurement")

@@ -313,3 +313,15 @@ def test_a_kv_cache_the_model_ignores_is_caught_by_the_full_forward_oracle(tmp_p
                                                                                                      ignore_eos=True))]
     judge_mismatches(target, prompts, mismatches)
     assert all(m is not None and not m.near_tie for m in mismatches)
+
+
+def test_batches_bound_the_padded_tokens_and_the_attention_of_a_full_forward(monkeypatch):
+    from eagle3_pipeline.evaluate import speculative
+
+    prompts = [[1] * n for n in (10, 50, 40, 30, 20)]
+    batches = speculative.batches_by_tokens(prompts, 100, reserve=5)
+    assert sorted(i for batch in batches for i in batch) == list(range(5))
+    assert all(len(batch) * max(len(prompts[i]) + 5 for i in batch) <= 100 or len(batch) == 1 for batch in batches)
+    monkeypatch.setattr(speculative, "ATTENTION_ELEMENTS", 50 * 50)  # one 50-token prompt's attention
+    for batch in speculative.batches_by_tokens(prompts, 10**6):
+        assert len(batch) == 1 or len(batch) * max(len(prompts[i]) for i in batch) ** 2 <= 50 * 50

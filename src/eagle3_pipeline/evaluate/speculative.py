@@ -56,6 +56,10 @@ from eagle3_pipeline.train.model import DrafterConfig, Eagle3Drafter, rope_cos_s
 # Prompt tokens (padded) per batch forward of the reference decode and per prefill: bounds the
 # activations and KV cache a batch holds at once.
 DEFAULT_BATCH_TOKENS = 65536
+# Rows x width^2 of a full (prefill or reference) forward per batch: a masked attention materialises
+# scores of that many elements per head (an H200 ran out of memory at 200 prompts of up to 2,700
+# tokens with no such bound: 118 GiB asked for).
+ATTENTION_ELEMENTS = 2**27
 
 
 class EvaluationError(ValueError):
@@ -224,18 +228,24 @@ def judge_mismatches(target: TargetModel, prompts: list[list[int]], mismatches: 
         mismatch.near_tie = mismatch.gap <= share * max(float(logits.max().abs()), 1.0)
 
 
-def _chunks(order: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Consecutive groups of ``order`` whose padded size (rows x longest) stays within ``batch_tokens``."""
+def _chunks(order: list[int], lengths: list[int], batch_tokens: int, forward_lengths: list[int] | None = None
+            ) -> list[list[int]]:
+    """Consecutive groups of ``order`` whose padded size (rows x longest of ``lengths``) stays within
+    ``batch_tokens`` and whose attention over a full forward (rows x longest of ``forward_lengths``, squared)
+    stays within ``ATTENTION_ELEMENTS``: a masked forward materialises scores of that size per head."""
+    forward_lengths = forward_lengths or lengths
     groups: list[list[int]] = []
     current: list[int] = []
-    longest = 0
+    longest = widest = 0
     for index in order:
         wider = max(longest, lengths[index])
-        if current and wider * (len(current) + 1) > batch_tokens:
+        wider_forward = max(widest, forward_lengths[index])
+        if current and (wider * (len(current) + 1) > batch_tokens
+                        or wider_forward ** 2 * (len(current) + 1) > ATTENTION_ELEMENTS):
             groups.append(current)
-            current, wider = [], lengths[index]
+            current, wider, wider_forward = [], lengths[index], forward_lengths[index]
         current.append(index)
-        longest = wider
+        longest, widest = wider, wider_forward
     if current:
         groups.append(current)
     return groups
@@ -243,9 +253,11 @@ def _chunks(order: list[int], lengths: list[int], batch_tokens: int) -> list[lis
 
 def batches_by_tokens(prompts: list[list[int]], batch_tokens: int, reserve: int = 0) -> list[list[int]]:
     """Indices of ``prompts`` in batches of similar length (sorted), each within ``batch_tokens`` padded tokens
-    counting ``reserve`` more per request (the tokens its decode adds)."""
+    counting ``reserve`` more per request (the KV-cache slots its decode adds), and its prefill's attention
+    within ``ATTENTION_ELEMENTS``."""
     lengths = [len(prompt) + reserve for prompt in prompts]
-    return _chunks(sorted(range(len(prompts)), key=lambda b: lengths[b]), lengths, batch_tokens)
+    return _chunks(sorted(range(len(prompts)), key=lambda b: lengths[b]), lengths, batch_tokens,
+                   [len(prompt) for prompt in prompts])
 
 
 # -- the drafter --------------------------------------------------------------------------------

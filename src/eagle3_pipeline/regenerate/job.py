@@ -606,8 +606,9 @@ def run_merge(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     shown = {key: summary[key] for key in ("num_records", "num_conversations", "num_skipped", "turns",
-                                          "turns_left_out", "leading_dropped", "generated_tokens", "finish_reasons", "truncated_kept",
-                                          "cut", "limited", "skipped_reasons", "parts")}
+                                          "turns_left_out", "leading_dropped", "generated_tokens",
+                                          "finish_reasons", "truncated_kept", "cut", "limited", "skipped_reasons",
+                                          "parts")}
     print(json.dumps({**shown, "changed": changed, "output": str(args.output_dir / output.OUTPUT_FILE)},
                      sort_keys=True))
     return EXIT_OK

@@ -120,7 +120,7 @@ def merged_documents(out_dir: Path) -> tuple[str, dict]:
     lines: list[tuple[int, str]] = []
     for index in range(count):
         path = part_path(out_dir, index, count, ".jsonl")
-        own = path.read_text(encoding="utf-8").splitlines()
+        own = path.read_text(encoding="utf-8").split("\n")[:-1]  # not splitlines: answers may hold U+2028
         ordinals = parts[index]["ordinals"]
         if len(own) != len(ordinals):
             raise OutputError(f"{path} has {len(own)} conversations, its summary lists {len(ordinals)}: the part was "
