@@ -29,19 +29,18 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import sys
 import threading
 import time
 from array import array
 from collections import Counter
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3_pipeline.checksum import file_sha256
 from eagle3_pipeline.models.config import read_text_config
 from eagle3_pipeline.progress_file import ProgressReporter
+from eagle3_pipeline.work_window import run_window
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_UNREACHABLE, EXIT_STOPPED = 0, 1, 2, 3, 4
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -598,30 +597,7 @@ def _run_samples(cfg: ExtractConfig, plan: Plan, worker: SampleWorker, progress:
     """Step 4: the samples through a thread pool; journal and progress on this thread."""
     from eagle3_pipeline.extract.client import ServerUnreachable  # noqa: PLC0415
 
-    stop = threading.Event()
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            previous[signum] = signal.signal(signum, lambda *_: stop.set())
-    fatal: BaseException | None = None
-    pending: set[Future] = set()
-    window = window_size(cfg)
-    todo = iter(plan.todo)
-
-    def handle(future: Future) -> None:
-        nonlocal fatal
-        try:
-            record = future.result()
-        except BaseException as exc:  # noqa: BLE001 - the first fatal error stops the run
-            fatal = fatal or exc
-            return
-        if record is None:  # not sent: the rerun does it
-            return
-        try:
-            plan.journal.append(record)
-        except OSError as exc:  # not journaled: the sample is redone by the rerun
-            fatal = fatal or exc
-            return
+    def count(record: dict) -> None:
         if record["status"] == "ok":
             plan.done[record["key"]] = record
             failed.pop(record["key"], None)
@@ -632,27 +608,9 @@ def _run_samples(cfg: ExtractConfig, plan: Plan, worker: SampleWorker, progress:
             progress.failed += 1
             progress.tokens_todo -= record["tokens"]
 
-    try:
-        with ThreadPoolExecutor(max_workers=window, thread_name_prefix="sample") as pool:
-            exhausted = False
-            while True:
-                while not exhausted and fatal is None and not stop.is_set() and len(pending) < window:
-                    prep = next(todo, None)
-                    if prep is None:
-                        exhausted = True
-                        break
-                    pending.add(pool.submit(worker, prep))
-                if not pending:
-                    break
-                finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    handle(future)
-                if fatal is not None or stop.is_set():
-                    worker.stopping.set()
-                progress.update()
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    outcome = run_window(plan.todo, worker, window_size(cfg), plan.journal, count, worker.stopping,
+                         progress.update, "sample")
+    fatal = outcome.fatal
     if fatal is not None:
         progress.state = "failed"
         if isinstance(fatal, ServerUnreachable):
@@ -670,7 +628,7 @@ def _run_samples(cfg: ExtractConfig, plan: Plan, worker: SampleWorker, progress:
         progress.update(force=True)
         print(f"error: {progress.message}", file=sys.stderr)
         return code
-    if stop.is_set():
+    if outcome.stopped:
         progress.state = "stopped"
         progress.message = f"stopped on request after {progress.done} of {progress.total} samples; rerun to continue"
         progress.update(force=True)

@@ -34,12 +34,10 @@ import hashlib
 import json
 import os
 import secrets
-import signal
 import sys
 import threading
 import time
 from collections import Counter
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +51,7 @@ from eagle3_pipeline.extract.job import (
 )
 from eagle3_pipeline.progress_file import ProgressReporter
 from eagle3_pipeline.regenerate import output
+from eagle3_pipeline.work_window import run_window
 
 RID_PREFIX = "e3r"
 DEFAULT_MAX_LENGTH = ExtractConfig.max_length  # the extraction's: a longer conversation is cut there anyway
@@ -331,29 +330,7 @@ def _run_conversations(cfg: RegenerateConfig, plan: Plan, worker: ConversationWo
     """Step 3: the conversations through a thread pool; journal and progress on this thread."""
     from eagle3_pipeline.extract.client import ServerUnreachable  # noqa: PLC0415
 
-    stop = threading.Event()
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            previous[signum] = signal.signal(signum, lambda *_: stop.set())
-    fatal: BaseException | None = None
-    pending: set[Future] = set()
-    todo = iter(plan.todo)
-
-    def handle(future: Future) -> None:
-        nonlocal fatal
-        try:
-            record = future.result()
-        except BaseException as exc:  # noqa: BLE001 - the first fatal error stops the run
-            fatal = fatal or exc
-            return
-        if record is None:  # left when the run stopped: the rerun does it
-            return
-        try:
-            plan.journal.append(record)
-        except OSError as exc:  # not journaled: the rerun redoes it
-            fatal = fatal or exc
-            return
+    def count(record: dict) -> None:
         plan.done[record["key"]] = record
         progress.done += 1
         progress.done_now += 1
@@ -363,27 +340,9 @@ def _run_conversations(cfg: RegenerateConfig, plan: Plan, worker: ConversationWo
         else:
             progress.skipped += 1
 
-    try:
-        with ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="conversation") as pool:
-            exhausted = False
-            while True:
-                while not exhausted and fatal is None and not stop.is_set() and len(pending) < cfg.concurrency:
-                    conversation = next(todo, None)
-                    if conversation is None:
-                        exhausted = True
-                        break
-                    pending.add(pool.submit(worker, conversation))
-                if not pending:
-                    break
-                finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    handle(future)
-                if fatal is not None or stop.is_set():
-                    worker.stopping.set()
-                progress.update()
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    outcome = run_window(plan.todo, worker, cfg.concurrency, plan.journal, count, worker.stopping,
+                         progress.update, "conversation")
+    fatal = outcome.fatal
     if fatal is not None:
         progress.state = "failed"
         code = EXIT_UNREACHABLE if isinstance(fatal, ServerUnreachable) else EXIT_FAILED
@@ -393,7 +352,7 @@ def _run_conversations(cfg: RegenerateConfig, plan: Plan, worker: ConversationWo
         progress.update(force=True)
         print(f"error: {progress.message}", file=sys.stderr)
         return code
-    if stop.is_set():
+    if outcome.stopped:
         progress.state = "stopped"
         progress.message = (f"stopped on request after {progress.done} of {progress.total} conversations; rerun to "
                             "continue")
