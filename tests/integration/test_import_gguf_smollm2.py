@@ -191,7 +191,7 @@ def test_a_different_gguf_without_force_is_refused(story, converted, tmp_path):
     shutil.copyfile(story["gguf"], other)
     data = bytearray(other.read_bytes())
     at = data.index(b"Smollm2 135M")
-    data[at : at + 12] = b"Smollm2 XXXM"
+    data[at : at + 12] = b"Smollm2 246M"
     other.write_bytes(bytes(data))
     before = file_states(converted)
     result = import_gguf_command("--gguf", other, "--output", converted, "--dtype", "float32")
