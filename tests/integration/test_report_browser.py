@@ -5,7 +5,9 @@ messages ending in NUL on file descriptors 3 and 4), so no port, no websocket pa
 browser download is needed. For each page the test collects console errors, uncaught
 exceptions, log entries of level error (failed loads land there), failed network loads and any
 request that is not a local file, then asks the DOM for the sections and each image's
-``naturalWidth``. ``make test`` installs chromium; without it these tests are skipped, saying so.
+``naturalWidth``. It also measures the layout an operator sees: the verdict's headline inside the
+first screen of a laptop, the settings folded, and, opened on a narrow window, every variable's name
+on one line. ``make test`` installs chromium; without it these tests are skipped, saying so.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ pytestmark = pytest.mark.skipif(
     CHROMIUM is None, reason="chromium is not installed (make test installs it: apt-get install -y chromium)"
 )
 LOAD_TIMEOUT_S = 30.0
-SECTIONS = ["summary", "settings", "gpu-reset", "extraction", "training", "acceptance", "drafter"]
+SECTIONS = ["verdict", "charts", "acceptance", "drafter", "training", "extraction", "gpu-reset", "settings"]
+# A laptop's first screen, and a window narrow enough that the settings table must wrap something.
+LAPTOP, NARROW = (1280, 720), (760, 900)
 
 
 class Chromium:
@@ -120,6 +124,11 @@ class Chromium:
                                                 "awaitPromise": True})
         assert "exceptionDetails" not in answer, answer["exceptionDetails"]
         return answer["result"].get("value")
+
+    def resize(self, width: int, height: int) -> None:
+        """Lay the page out for a viewport of ``width`` x ``height`` CSS pixels."""
+        self.send("Emulation.setDeviceMetricsOverride", {"width": width, "height": height, "deviceScaleFactor": 1,
+                                                         "mobile": False})
 
     def problems(self) -> list[str]:
         """Console errors, exceptions, error log entries, failed loads and non-file requests seen so far."""
@@ -220,3 +229,49 @@ def test_demo_report_renders_when_the_demo_has_run(tmp_path, browser):
     assert browser.problems() == []
     assert facts["sections"] == SECTIONS
     assert all(i["width"] > 0 for i in facts["images"]), facts["images"]
+
+
+def test_verdict_heads_the_first_screen_and_settings_are_folded_with_names_on_one_line(tmp_path, browser):
+    out = make_run(tmp_path / "run")
+    settings = json.loads((out / "settings.json").read_text())
+    # A long name beside a long value: the table has to wrap one of them on a narrow window.
+    long_name = "eagle_training_a_long_variable_name_that_must_stay_whole"
+    settings[long_name] = [f"/data/shards/part-{i:04d}/hidden-states" for i in range(30)]
+    (out / "settings.json").write_text(json.dumps(settings))
+    assert cli_main(["report", "--output-dir", str(out), "--settings-json", str(out / "settings.json")]) == 0
+    browser.open((out / "report" / "index.html").as_uri())
+    assert browser.problems() == []
+    browser.resize(*LAPTOP)
+    top = browser.evaluate("""(() => {
+        const headline = document.getElementById('headline');
+        const box = headline.getBoundingClientRect();
+        const hit = document.elementFromPoint(box.left + 8, box.top + box.height / 2);
+        const details = document.querySelector('#settings details');
+        return {first: document.querySelector('main > section').id, top: box.top, bottom: box.bottom,
+                height: window.innerHeight, shown: headline.contains(hit), text: headline.innerText,
+                open: details.open, tableShown: details.querySelector('table').checkVisibility(),
+                last: [...document.querySelectorAll('main > section')].pop().id};
+    })()""")
+    assert top["first"] == "verdict" and top["last"] == "settings"
+    assert 0 <= top["top"] and top["bottom"] <= top["height"], top
+    assert top["shown"] and top["text"].startswith("PASSED"), top
+    assert top["open"] is False and top["tableShown"] is False, "the settings must be folded when the page opens"
+
+    browser.resize(*NARROW)
+    layout = browser.evaluate("""(() => {
+        const details = document.querySelector('#settings details');
+        details.open = true;
+        const rows = [...details.querySelectorAll('tbody tr')].map(row => {
+            const [name, value] = row.querySelectorAll('td');
+            const code = name.querySelector('code');
+            return {name: code.textContent, lines: code.getClientRects().length,
+                    fits: code.getBoundingClientRect().right <= name.getBoundingClientRect().right + 0.5,
+                    valueLines: value.querySelector('code').getClientRects().length};
+        });
+        return {rows};
+    })()""")
+    rows = {row["name"]: row for row in layout["rows"]}
+    assert long_name in rows
+    assert rows[long_name]["valueLines"] > 1, "the long value should wrap on a narrow window (no layout pressure?)"
+    broken = [row for row in layout["rows"] if row["lines"] != 1 or not row["fits"]]
+    assert broken == [], f"variable names broken across lines or overflowing their cell: {broken}"

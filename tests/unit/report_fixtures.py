@@ -125,7 +125,18 @@ def make_run(out: Path, training: bool = True, evaluation: bool = True, hostile:
             "reference_check": {"checked": True, "method": "full forwards", "near_ties": 1, "faults": 0,
                                 "mismatches": [{"id": "h-2", "draft_tokens": 7, "first_difference": 12,
                                                 "near_tie": True, "logit_gap": 0.0625}]},
-            "verdict": {"passed": True, "judged": True, "problems": [], "likely_causes": []}})
+            "overlap_check": {"checked_prompts": 9, "usable_prompts": 8, "excluded": 1, "training_samples": 3,
+                              "method": "sample ids, and SHA-256 of the prompt tokens before the first assistant "
+                                        "token"},
+            "verdict": {"passed": True, "judged": True, "min_ratio": 0.5, "min_rounds": 30,
+                        "predicted_from": "the training's held-out split",
+                        "positions": [{"draft_tokens": 3, "position": 1, "measured": 0.5, "rounds": 100,
+                                       "upper_99": 0.62, "predicted": 0.6, "judged": True, "ok": True},
+                                      {"draft_tokens": 3, "position": 2, "measured": 0.56, "rounds": 50,
+                                       "upper_99": 0.72, "predicted": 0.5, "judged": True, "ok": True},
+                                      {"draft_tokens": 3, "position": 3, "measured": 0.43, "rounds": 28,
+                                       "upper_99": 0.68, "predicted": 0.4, "judged": False, "ok": True}],
+                        "problems": [], "likely_causes": []}})
     _write(out / "settings.json", {
         "sglang_server_engine": "reference", "sglang_server_api_key": SECRET, "sglang_server_tp_size": 2,
         "eagle_training_batch_tokens": 512, "extraction_dataset": f"/data/{bad}.jsonl",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import shutil
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,68 @@ from eagle3_pipeline.report.inputs import (
 from eagle3_pipeline.report.render import serving_argv
 from eagle3_pipeline.serve.sglang_command import speculative_launch_argv
 
-SECTION_IDS = ['id="settings"', 'id="gpu-reset"', 'id="extraction"', 'id="training"', 'id="acceptance"',
-               'id="drafter"']
+# The order an operator reads the page in: the verdict, the charts, the stages, the settings last.
+SECTION_ORDER = ["verdict", "charts", "acceptance", "drafter", "training", "extraction", "gpu-reset", "settings"]
+SECTION_IDS = [f'id="{key}"' for key in SECTION_ORDER]
+VOID_TAGS = {"img", "meta", "link", "br", "hr", "input"}
+# Tags whose text reads apart from its neighbours' (cells, items, paragraphs): the outline's text puts a space.
+SEPARATE_TAGS = {"td", "th", "tr", "li", "p", "div", "h2", "h3", "summary", "ol", "ul", "table"}
+
+
+class Outline(HTMLParser):
+    """The page's sections in order: for each, its id, its text, and every tag with its attributes and the
+    tags it sits in."""
+
+    def __init__(self, page: str):
+        super().__init__()
+        self.sections: list[dict] = []
+        self._open: list[tuple[str, dict]] = []
+        self.feed(page)
+        self.close()
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "section":
+            self.sections.append({"id": attrs.get("id"), "text": "", "tags": []})
+        elif self.sections:
+            self.sections[-1]["tags"].append((tag, attrs, tuple(self._open)))
+        if tag not in VOID_TAGS:
+            self._open.append((tag, attrs))
+        self._separate(tag)
+
+    def _separate(self, tag):
+        if tag in SEPARATE_TAGS and self.sections:
+            self.sections[-1]["text"] += " "
+
+    def handle_endtag(self, tag):
+        self._separate(tag)
+        while self._open:
+            if self._open.pop()[0] == tag:
+                break
+
+    def handle_data(self, data):
+        if self.sections:
+            self.sections[-1]["text"] += data
+
+    def ids(self) -> list[str]:
+        return [section["id"] for section in self.sections]
+
+    def section(self, key: str) -> dict:
+        return next(section for section in self.sections if section["id"] == key)
+
+
+def outline(out: Path) -> Outline:
+    return Outline((out / "report" / "index.html").read_text())
+
+
+def squeeze(text: str) -> str:
+    """Text with runs of white space as one space (the page wraps its markup over lines)."""
+    return " ".join(text.split())
+
+
+def rewrite_evaluation(out: Path, **fields) -> None:
+    path = out / "evaluation" / "evaluation.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
 
 
 def report(out: Path, *extra: str) -> int:
@@ -284,22 +345,152 @@ def test_the_evaluation_verdict_chains_exclusions_and_output_check_are_shown(tmp
     out = make_run(tmp_path)
     assert report(out) == 0
     page = (out / "report" / "index.html").read_text()
-    assert "Evaluation passed: measured acceptance within what the training predicts." in page
+    verdict = squeeze(outline(out).section("verdict")["text"])
+    assert verdict.startswith("Verdict PASSED Measured acceptance within what the training predicts, and the "
+                              "outputs equal the target's own greedy decode.")
     assert "At each chain length (same prompts)" in page and "0.500 / 0.500 / 0.400" in page
+    assert "The verdict per draft position" in page and "no: too few rounds" in page
     assert "Prompts excluded (1): seen in training or repeated" in page and "held-bad" in page
     assert "1 differ at a numerical near-tie (logit gaps 0.062), 0 differ otherwise" in page
 
 
-def test_a_failed_evaluation_marks_the_report_with_its_problems_and_causes(tmp_path):
+FAILED_VERDICT = {
+    "passed": False, "judged": True, "min_ratio": 0.5, "min_rounds": 30, "predicted_from": "the held-out split",
+    "positions": [{"draft_tokens": 3, "position": 1, "measured": 0.006, "rounds": 2263, "upper_99": 0.011,
+                   "predicted": 0.6, "judged": True, "ok": False}],
+    "problems": ["chain of 3, draft position 1: accepted in 14 of 2263 rounds"],
+    "likely_causes": ["the target's forward with a KV cache differs from a full forward",
+                      "the drafter was trained on other aux layers"],
+}
+
+
+def test_a_failed_evaluation_heads_the_report_with_failed_its_problems_and_causes(tmp_path, capsys):
     out = make_run(tmp_path)
-    path = out / "evaluation" / "evaluation.json"
-    record = json.loads(path.read_text())
-    record["verdict"] = {"passed": False, "judged": True,
-                         "problems": ["chain of 3, draft position 1: accepted in 14 of 2263 rounds"],
-                         "likely_causes": ["the target's forward with a KV cache differs from a full forward"]}
-    path.write_text(json.dumps(record))
-    assert report(out) == 0
+    rewrite_evaluation(out, verdict=FAILED_VERDICT)
+    assert report(out, "--json") == 0
+    assert json.loads(capsys.readouterr().out)["verdict"] == "FAILED"
     page = (out / "report" / "index.html").read_text()
-    assert "Evaluation FAILED" in page and "accepted in 14 of 2263 rounds" in page
-    assert "the target&#x27;s forward with a KV cache differs" in page
+    parsed = outline(out)
+    assert parsed.ids()[0] == "verdict"
+    verdict = squeeze(parsed.section("verdict")["text"])
+    assert verdict.startswith("Verdict FAILED Failed: Measured acceptance against the training's simulation")
+    # The problem and every likely cause are in the first section, in the order the evaluation gives them.
+    problem = verdict.index("accepted in 14 of 2263 rounds")
+    first_cause = verdict.index("the target's forward with a KV cache differs from a full forward")
+    assert problem < verdict.index("Likely causes, most frequent first:") < first_cause < verdict.index(
+        "the drafter was trained on other aux layers")
+    assert "1 draft position of 1 judged below 0.5 of what the held-out split predicts" in verdict
+    assert "1 judged, 1 below" in verdict  # the chain of 3 in the measured-against-simulated table
+    assert page.index("accepted in 14 of 2263 rounds") < page.index('id="charts"')
     assert '<div class="value">FAILED</div><div class="label">evaluation verdict</div>' in page
+    assert 'class="headline failed"' in page and "BELOW" in parsed.section("acceptance")["text"]
+
+
+# -- the page's order: the verdict first, the settings last and folded ------------------------
+def test_the_page_leads_with_the_verdict_then_the_charts_and_ends_with_the_settings_folded(tmp_path):
+    out = make_run(tmp_path / "run")
+    assert report(out, "--settings-json", str(out / "settings.json")) == 0
+    parsed = outline(out)
+    assert parsed.ids() == SECTION_ORDER
+    # Every chart is in the Charts section, none before it.
+    images = {section["id"]: [attrs["src"] for tag, attrs, _ in section["tags"] if tag == "img"]
+              for section in parsed.sections}
+    assert sorted(images.pop("charts")) == ["acc_per_position.png", "acceptance_length.png",
+                                            "acceptance_measured_vs_simulated.png", "loss.png"]
+    assert not any(images.values()), images
+    # The settings: their table inside a <details> that is closed until the reader opens it.
+    settings = parsed.section("settings")
+    tables = [ancestors for tag, _, ancestors in settings["tags"] if tag == "table"]
+    assert len(tables) == 1
+    details = [attrs for tag, attrs in tables[0] if tag == "details"]
+    assert details == [{}], "the settings table must sit in a <details> without the open attribute"
+    assert "Show the 5 variables" in settings["text"]  # the sixth names a secret
+    # The names' cells never wrap; the page's style says so for that class.
+    name_cells = [attrs for tag, attrs, _ in settings["tags"] if tag == "td" and attrs.get("class") == "nowrap"]
+    assert len(name_cells) == 5
+    page = (out / "report" / "index.html").read_text()
+    assert "td.nowrap, td.nowrap code { white-space: nowrap; overflow-wrap: normal; word-break: normal; }" in page
+
+
+def test_the_verdict_lists_each_check_and_what_to_look_at(tmp_path):
+    out = make_run(tmp_path / "run")
+    assert report(out) == 0
+    verdict = squeeze(outline(out).section("verdict")["text"])
+    for check in ("GPUs freed before the run (gpu_reset) passed 4 GPUs on 2 hosts verified free by NVML",
+                  "Hidden states extracted and verified (extraction) passed 3 samples (300 tokens) stored",
+                  "Training finished (training.json) passed 6 of 6 steps",
+                  "Drafter exported (config.json, model.safetensors) passed",
+                  "Measured acceptance against the training's simulation (evaluation verdict) passed each of the "
+                  "2 draft positions judged",
+                  "Outputs equal the target's own greedy decode (reference check) passed every output, but 1 output "
+                  "at a numerical near-tie",
+                  "Held-out prompts never seen in training (overlap check) passed 8 prompts measured"):
+        assert check in verdict, check
+    # Measured against simulated at each chain length: the chain of 7 is longer than the training simulates.
+    assert "3 1.90 2.02 94% 2 judged, all within" in verdict
+    assert "7 2.10 - (the training simulates 3 draft positions) - none (too few rounds)" in verdict
+    after = verdict[verdict.index("What to look at"):]
+    for item in ("1 held-out prompt excluded: seen in training or repeated", "1 dataset record skipped: "
+                 "no_assistant_turn (1)", "1 sample failed the check, not stored: top1_mismatch bad (1)",
+                 "localhost: 1 process left running: 77 (protected)"):
+        assert item in after, item
+
+
+def test_the_verdict_of_an_empty_run_is_not_measured_and_names_why(tmp_path, capsys):
+    out = tmp_path / "empty"
+    out.mkdir()
+    assert report(out, "--json") == 0
+    assert json.loads(capsys.readouterr().out)["verdict"] == "NOT MEASURED"
+    verdict = squeeze(outline(out).section("verdict")["text"])
+    assert verdict.startswith(f"Verdict NOT MEASURED Not measured: {out / 'evaluation' / 'evaluation.json'} "
+                              "does not exist")
+    assert "Training finished (training.json) not measured" in verdict
+    assert "Nothing measured, and no training metrics to simulate from." in verdict
+    assert "PASSED" not in verdict and "FAILED" not in verdict
+
+
+def test_a_verdict_that_judged_nothing_is_not_judged(tmp_path):
+    out = make_run(tmp_path / "run")
+    rewrite_evaluation(out, verdict={"passed": True, "judged": False, "min_rounds": 30, "positions": [],
+                                     "problems": [], "likely_causes": []})
+    assert report(out) == 0
+    verdict = squeeze(outline(out).section("verdict")["text"])
+    assert verdict.startswith("Verdict NOT JUDGED Too few rounds: no draft position was reached 30 times.")
+    assert "PASSED" not in verdict
+
+
+def test_gpus_still_busy_after_the_reset_fail_the_verdict(tmp_path):
+    out = make_run(tmp_path / "run")
+    log = out / "gpu_reset" / "localhost.json"
+    record = json.loads(log.read_text())
+    record["gpus_after"][1]["free"] = False
+    record["health_problems"] = ["GPU 1: 3 volatile uncorrected ECC errors"]
+    log.write_text(json.dumps(record))
+    assert report(out) == 0
+    verdict = squeeze(outline(out).section("verdict")["text"])
+    assert verdict.startswith("Verdict FAILED Failed: GPUs freed before the run (gpu_reset).")
+    assert "still in use after the reset: localhost GPU 1" in verdict
+    assert "localhost: GPU 1: 3 volatile uncorrected ECC errors" in verdict
+
+
+def test_a_training_without_training_json_is_not_finished(tmp_path):
+    out = make_run(tmp_path / "run", evaluation=False)
+    (out / "drafter-run" / "training.json").unlink()
+    assert report(out) == 0
+    verdict = squeeze(outline(out).section("verdict")["text"])
+    assert "Training finished (training.json) not finished no training.json yet; metrics.jsonl reaches step 6" \
+        in verdict
+    assert "the training (held-out evaluation at step 6) simulates tau 2.02 over its 3 draft positions" in verdict
+
+
+def test_a_malformed_verdict_still_renders_and_fails_without_inventing_figures(tmp_path):
+    out = make_run(tmp_path / "run")
+    rewrite_evaluation(out, verdict={"passed": False, "problems": "one string, not a list", "positions": [3, None],
+                                     "likely_causes": None},
+                       runs=["not a run", {"draft_tokens": "three", "tau": "high"}])
+    assert report(out) == 0
+    verdict = squeeze(outline(out).section("verdict")["text"])
+    assert verdict.startswith("Verdict FAILED")
+    assert "one string, not a list" not in verdict and "Likely causes" not in verdict
+    assert "failed, naming no draft position below its prediction" in verdict
+    assert "- - - (no simulation recorded) - none (too few rounds)" in verdict

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from eagle3_pipeline import __version__
 from eagle3_pipeline.checksum import file_sha256
+from eagle3_pipeline.report.checks import run_verdict
 from eagle3_pipeline.report.figures import acceptance_figure, training_figures
 from eagle3_pipeline.report.inputs import ReportInputs
 from eagle3_pipeline.report.render import Page, render_page
@@ -33,7 +34,7 @@ REPORT_DIR = "report"
 INDEX_FILE = "index.html"
 STATE_FILE = "report.json"
 # Raise when the page's content changes, so that reports written by older code are redone.
-RENDER_VERSION = 1
+RENDER_VERSION = 2
 
 
 @dataclass
@@ -101,6 +102,7 @@ def summary(inputs: ReportInputs) -> dict:
     """The report's headline figures, for report.json and the role's message."""
     acceptance = inputs.acceptance
     return {
+        "verdict": run_verdict(inputs).word,  # PASSED, FAILED, NOT JUDGED or NOT MEASURED, as the page heads it
         "measured_tau": acceptance.measured_tau if not acceptance.reason else None,
         "simulated_tau": acceptance.simulated_tau,
         "acceptance_not_measured": acceptance.reason,

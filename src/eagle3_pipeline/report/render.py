@@ -1,5 +1,10 @@
 """The report's HTML: one page, inline CSS, images by relative file name, no script, no network.
 
+The page reads in the order an operator needs it: the verdict first (the headline, measured
+against simulated acceptance per chain length, what passed, what to look at), then the charts,
+then each stage's details, newest result first, and the run's settings last, folded in a
+``<details>`` element, their names never broken mid-word.
+
 Safe by construction: every value is escaped by ``esc`` unless it is an ``Html`` fragment built
 here, and a Content-Security-Policy forbids scripts, remote loads and everything but the page's
 own images and inline style, so a value that slipped through could still run nothing.
@@ -16,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from eagle3_pipeline import __version__
+from eagle3_pipeline.report.checks import FAIL, FAILED, PASS, PASSED, RunVerdict, run_verdict
 from eagle3_pipeline.report.figures import Figure
 from eagle3_pipeline.report.inputs import GpuResetLog, ReportInputs
 from eagle3_pipeline.serve.sglang_command import DEFAULT_SPECULATIVE_STEPS, speculative_launch_argv
@@ -25,13 +31,17 @@ SERVING_HOST, SERVING_PORT = "127.0.0.1", 30000
 # Rows of skipped/failed records shown in full; the rest are counted by reason.
 MAX_RECORD_ROWS = 50
 CSP = "default-src 'none'; img-src 'self' data:; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'"
+# The page's order: the verdict and the charts first, then the stages from the result back to the
+# start, the settings (long, and read least) last.
 SECTIONS = (
-    ("settings", "Settings"),
-    ("gpu-reset", "GPU reset"),
-    ("extraction", "Extraction"),
-    ("training", "Training"),
+    ("verdict", "Verdict"),
+    ("charts", "Charts"),
     ("acceptance", "Acceptance: measured vs simulated"),
     ("drafter", "Drafter and serving"),
+    ("training", "Training"),
+    ("extraction", "Extraction"),
+    ("gpu-reset", "GPU reset"),
+    ("settings", "Settings"),
 )
 SHOWN_EXCLUDED = 50  # rows of the excluded held-out prompts (evaluation.json has them all)
 STYLE = """
@@ -44,10 +54,11 @@ header { padding-top: 24px; }
 h1 { margin: 0 0 4px; font-size: 26px; }
 h2 { margin: 0 0 12px; font-size: 20px; border-bottom: 1px solid var(--line); padding-bottom: 6px; }
 h3 { margin: 18px 0 8px; font-size: 16px; }
-nav a { margin-right: 14px; color: var(--accent); text-decoration: none; }
+a { color: var(--accent); }
+nav a { margin-right: 14px; text-decoration: none; }
 section { background: #fff; border: 1px solid var(--line); border-radius: 8px; padding: 16px 20px; margin: 18px 0; }
 .muted, figcaption { color: var(--muted); }
-.cards { display: grid; grid-template-columns: repeat(auto-fit, minmax(170px, 1fr)); gap: 12px; }
+.cards { display: grid; grid-template-columns: repeat(auto-fit, minmax(140px, 1fr)); gap: 12px; }
 .card { background: #fff; border: 1px solid var(--line); border-radius: 8px; padding: 10px 14px; }
 .card .value { font-size: 20px; font-weight: 600; overflow-wrap: anywhere; }
 .card .label { color: var(--muted); font-size: 13px; }
@@ -55,7 +66,25 @@ table { border-collapse: collapse; margin: 6px 0 12px; font-size: 14px; }
 th, td { border: 1px solid var(--line); padding: 4px 8px; text-align: left; vertical-align: top; }
 th { background: var(--bg); font-weight: 600; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
-td.wrap, td code { overflow-wrap: anywhere; word-break: break-word; }
+/* Paths and command lines (code) may break anywhere, so that one cannot widen the page; prose breaks
+   a word only where it cannot fit, so that a column is never narrower than its longest word. */
+td.wrap { overflow-wrap: break-word; }
+td code { overflow-wrap: anywhere; word-break: break-word; }
+/* A variable's name is read as one word: never broken, its value wraps instead. */
+td.nowrap, td.nowrap code { white-space: nowrap; overflow-wrap: normal; word-break: normal; }
+table.settings { width: 100%; }
+.scroll { overflow-x: auto; }
+details > summary { cursor: pointer; color: var(--accent); margin: 4px 0 8px; }
+.headline { display: flex; align-items: baseline; gap: 14px; flex-wrap: wrap; border-radius: 8px;
+            padding: 10px 16px; margin: 0 0 14px; border: 1px solid var(--line); background: var(--bg); }
+.headline .word { font-size: 28px; font-weight: 700; letter-spacing: 0.02em; }
+.headline.passed { background: #e9f7ee; border-color: #9bd3ae; }
+.headline.passed .word { color: #1a7f37; }
+.headline.failed { background: #fdeceb; border-color: #f1a9a3; }
+.headline.failed .word { color: #b42318; }
+.headline.pending .word { color: #9a6700; }
+.outcome { white-space: nowrap; }
+.look li { margin: 2px 0; }
 code, pre { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; font-size: 13px; }
 pre { background: #0f1720; color: #e6edf3; padding: 12px; border-radius: 6px; overflow-x: auto; }
 .missing { border-left: 4px solid #d29922; background: #fff8e6; padding: 8px 12px; margin: 8px 0; }
@@ -90,15 +119,18 @@ def tag(name: str, content: object = "", **attrs: object) -> Html:
     return Html(f"<{name}{rendered}>{esc(content)}</{name}>")
 
 
-def table(headers: Sequence[str] | None, rows: Iterable[Sequence[object]], numeric: Sequence[int] = ()) -> Html:
+def table(headers: Sequence[str] | None, rows: Iterable[Sequence[object]], numeric: Sequence[int] = (),
+          nowrap: Sequence[int] = (), class_: str | None = None) -> Html:
     """A table (no header row when ``headers`` is None); cells are escaped unless ``Html``; columns in
-    ``numeric`` are right-aligned."""
+    ``numeric`` are right-aligned, columns in ``nowrap`` never break their text (in the others a word
+    breaks only where it cannot fit, and ``<code>`` anywhere, so that a long path cannot widen the page)."""
     head = tag("thead", tag("tr", join((tag("th", h) for h in headers), ""))) if headers else Html("")
     body = []
     for row in rows:
-        cells = [tag("td", cell, class_="num" if i in numeric else "wrap") for i, cell in enumerate(row)]
+        cells = [tag("td", cell, class_="num" if i in numeric else "nowrap" if i in nowrap else "wrap")
+                 for i, cell in enumerate(row)]
         body.append(tag("tr", join(cells, "")))
-    return tag("table", join([head, tag("tbody", join(body))]))
+    return tag("table", join([head, tag("tbody", join(body))]), class_=class_)
 
 
 def missing(reason: str) -> Html:
@@ -176,6 +208,11 @@ class Page:
     generated_at: float
 
 
+def charts_link() -> Html:
+    """A link to the Charts section, for the sections whose charts moved there."""
+    return tag("a", "Charts", href="#charts")
+
+
 def figure_html(figure: Figure, alt: str) -> Html:
     """An ``<img>`` of a PNG beside the page, with its caption, or why it is missing."""
     if figure.reason:
@@ -185,15 +222,22 @@ def figure_html(figure: Figure, alt: str) -> Html:
 
 
 def settings_section(inputs: ReportInputs) -> Html:
-    """The run's variables, secrets withheld."""
+    """The run's variables, secrets withheld, folded: a ``<details>`` closed until the reader opens it.
+
+    The names never break (a ``nowrap`` column); the values wrap where they must.
+    """
     settings = inputs.settings
     parts: list[object] = []
     if settings.values is None:
         parts.append(missing(f"settings {settings.reason}"))
     else:
-        parts.append(tag("p", f"{len(settings.values)} variables, from {settings.source}.", class_="muted"))
+        count = len(settings.values)
+        parts.append(tag("p", f"{count} variables, from {settings.source}.", class_="muted"))
         rows = [(tag("code", key), tag("code", as_text(value))) for key, value in sorted(settings.values.items())]
-        parts.append(table(["variable", "value"], rows))
+        parts.append(tag("details", join([
+            tag("summary", f"Show the {count} variables"),
+            tag("div", table(["variable", "value"], rows, nowrap=(0,), class_="settings"), class_="scroll"),
+        ])))
     if settings.withheld:
         parts.append(tag("p", "Withheld as secrets (never written to the report): " + ", ".join(settings.withheld),
                          class_="muted"))
@@ -355,7 +399,9 @@ def training_section(inputs: ReportInputs, page: Page) -> Html:
     parts += [tag("p", "acc_k: top-1 agreement with the target at draft position k; cond_acc_k: the same given "
                        "positions 0..k-1 right.", class_="muted"),
               table(headers, prow, numeric=tuple(range(len(headers))))]
-    parts += [figure_html(f, f"training chart {f.name}") for f in page.training_figures]
+    if page.training_figures:
+        parts.append(tag("p", join(["The training charts are with the others, under ", charts_link(), "."], ""),
+                         class_="muted"))
     return join(parts)
 
 
@@ -371,21 +417,25 @@ def _recorded_simulated_tau(record: dict) -> str:
     return f"{number(float(tau))}" + (f" ({source})" if isinstance(source, str) and source else "")
 
 
-def verdict_html(record: dict) -> list[Html]:
-    """The evaluation's verdict: measured against what the training predicts, and the output check."""
-    verdict = record.get("verdict")
-    if not isinstance(verdict, dict):
+def positions_html(record: dict) -> list[Html]:
+    """How the evaluation's verdict judged each draft position: rounds, measured, its 99 % bound, predicted."""
+    verdict = record.get("verdict") if isinstance(record.get("verdict"), dict) else {}
+    positions = [p for p in verdict.get("positions") or [] if isinstance(p, dict)]
+    if not positions:
         return []
-    if verdict.get("passed", True):
-        judged = "measured acceptance within what the training predicts" if verdict.get("judged") else \
-            "too few rounds to judge the acceptance against the training's prediction"
-        return [tag("p", tag("strong", f"Evaluation passed: {judged}."), class_="ok")]
-    items = [tag("li", problem) for problem in verdict.get("problems") or []]
-    causes = [tag("li", cause) for cause in verdict.get("likely_causes") or []]
-    return [tag("div", join([tag("p", tag("strong", "Evaluation FAILED: the drafter serves far below what its training "
-                                                   "predicts, or its outputs are not the target's own.")),
-                             tag("ul", join(items)), tag("p", "Likely causes, most frequent first:"),
-                             tag("ol", join(causes))]), class_="bad")]
+    rows = [(number(p.get("draft_tokens")), number(p.get("position")), number(p.get("rounds")),
+             number(p.get("measured")), number(p.get("upper_99")), number(p.get("predicted")),
+             "yes" if p.get("judged") else "no: too few rounds",
+             tag("span", "yes", class_="ok") if p.get("ok") and p.get("judged") else
+             tag("span", "BELOW", class_="bad") if p.get("ok") is False else "-") for p in positions]
+    ratio = verdict.get("min_ratio")
+    return [tag("h3", "The verdict per draft position"),
+            tag("p", f"A position is judged when {verdict.get('min_rounds', '-')} rounds or more reached it, and fails "
+                     f"when even the upper end of the 99 % interval of its measured rate is below "
+                     f"{number(ratio) if isinstance(ratio, (int, float)) else '-'} times the prediction "
+                     f"({verdict.get('predicted_from') or 'source not recorded'}).", class_="muted"),
+            table(["drafts per verify", "position", "rounds that reached it", "measured P(accepted | earlier)",
+                   "99 % upper bound", "predicted", "judged", "within"], rows, numeric=(0, 1, 2, 3, 4, 5))]
 
 
 def chains_html(record: dict) -> list[Html]:
@@ -461,7 +511,7 @@ def acceptance_section(inputs: ReportInputs, page: Page) -> Html:
                      tag("span", "yes", class_="ok") if match is True
                      else tag("span", f"no: {as_text(mismatches)}", class_="bad") if match is False else "not checked"))
     rows.append(("record", tag("code", evaluation.path)))
-    parts: list[object] = [*verdict_html(record), table(None, rows), *chains_html(record), *excluded_html(record)]
+    parts: list[object] = [table(None, rows), *chains_html(record), *positions_html(record), *excluded_html(record)]
     if measured:
         simulated = acceptance.simulated_rates or []
         conditional = record.get("conditional_acceptance_per_position")
@@ -475,7 +525,7 @@ def acceptance_section(inputs: ReportInputs, page: Page) -> Html:
         if isinstance(note, str) and note:
             parts.append(tag("p", note, class_="muted"))
     if page.acceptance_figure is not None:
-        parts.append(figure_html(page.acceptance_figure, "acceptance per draft position, measured vs simulated"))
+        parts.append(tag("p", join(["The chart of these rates is under ", charts_link(), "."], ""), class_="muted"))
     return join(parts)
 
 
@@ -549,17 +599,85 @@ def summary_cards(inputs: ReportInputs) -> Html:
          for k, v in cards), "") + "</div>")
 
 
+def chains_table(verdict: RunVerdict, inputs: ReportInputs) -> Html:
+    """Measured tau against the training's simulated tau at each chain length the evaluation ran."""
+    acceptance = inputs.acceptance
+    if not verdict.chains:
+        rates = acceptance.simulated_rates
+        if rates:
+            return tag("p", f"Nothing measured to compare with: the training ({acceptance.simulated_source}) "
+                            f"simulates tau {number(1 + sum(rates), 2)} over its {len(rates)} draft positions.",
+                       class_="muted")
+        return tag("p", "Nothing measured, and no training metrics to simulate from.", class_="muted")
+    rows = []
+    for chain in verdict.chains:
+        simulated = number(chain.simulated_tau, 2) if chain.simulated_tau is not None else \
+            f"- ({chain.why_not_simulated})"
+        ratio = (f"{chain.measured_tau / chain.simulated_tau:.0%}" if chain.measured_tau is not None
+                 and chain.simulated_tau else "-")
+        judged = ("none (too few rounds)" if not chain.judged else
+                  tag("span", f"{chain.judged} judged, all within", class_="ok") if not chain.below else
+                  tag("span", f"{chain.judged} judged, {chain.below} below", class_="bad"))
+        rows.append((number(chain.draft_tokens), number(chain.measured_tau, 2), simulated, ratio, judged))
+    source = f"Simulated from {verdict.simulated_from}. " if verdict.simulated_from else ""
+    return join([
+        table(["drafts per verify", "measured tau", "simulated tau (training)", "measured / simulated",
+               "draft positions judged"], rows, numeric=(0, 1, 3)),
+        tag("p", f"tau: tokens per target forward (1 + the drafts accepted per verify). {source}Details under "
+                 "Acceptance below.", class_="muted"),
+    ])
+
+
+def _outcome(outcome: str, shown: str) -> Html:
+    return tag("span", shown, class_="outcome " + ("ok" if outcome == PASS else "bad" if outcome == FAIL else "muted"))
+
+
+def verdict_section(inputs: ReportInputs, verdict: RunVerdict) -> Html:
+    """The page's first section: the headline, measured against simulated, what passed, what to look at."""
+    kind = {PASSED: "passed", FAILED: "failed"}.get(verdict.word, "pending")
+    headline = tag("div", join([tag("span", verdict.word, class_="word"), tag("span", verdict.sentence)], " "),
+                   class_=f"headline {kind}", id="headline")
+    checks = table(["check", "outcome", "detail"], [(c.name, _outcome(c.outcome, c.shown), c.detail)
+                                                    for c in verdict.checks])
+    items = []
+    for item in verdict.look_at:
+        content: list[object] = [item.text, " ", tag("a", "(details)", href=f"#{item.section}")]
+        if item.items:
+            content.append(tag("ol", join(tag("li", text) for text in item.items)))
+        items.append(tag("li", join(content, ""), class_="bad" if item.bad else None))
+    look = tag("ul", join(items), class_="look") if items else \
+        tag("p", "Nothing: no problem recorded, no record skipped or excluded.", class_="muted")
+    return join([headline, summary_cards(inputs), tag("h3", "Measured against simulated acceptance"),
+                 chains_table(verdict, inputs), tag("h3", "What passed"), checks, tag("h3", "What to look at"), look])
+
+
+def charts_section(inputs: ReportInputs, page: Page) -> Html:
+    """Every chart: the measured acceptance first, then the training's; why one is missing in its place."""
+    parts: list[object] = []
+    if page.acceptance_figure is not None:
+        parts.append(figure_html(page.acceptance_figure, "acceptance per draft position, measured vs simulated"))
+    else:
+        parts.append(missing(f"acceptance chart not drawn: {inputs.acceptance.reason or 'nothing measured'}"))
+    if page.training_figures:
+        parts += [figure_html(f, f"training chart {f.name}") for f in page.training_figures]
+    else:
+        parts.append(missing(f"training charts not drawn: {inputs.training.reason or 'no training metrics'}"))
+    return join(parts)
+
+
 def render_page(inputs: ReportInputs, page: Page) -> str:
-    """The whole ``index.html``."""
+    """The whole ``index.html``, its sections in the order of ``SECTIONS``."""
     name = inputs.output_dir.resolve().name or str(inputs.output_dir)
     where = f"Run output {inputs.output_dir.resolve()}; report generated {moment(page.generated_at)}."
     bodies = {
-        "settings": settings_section(inputs),
-        "gpu-reset": gpu_reset_section(inputs),
-        "extraction": extraction_section(inputs),
-        "training": training_section(inputs, page),
+        "verdict": verdict_section(inputs, run_verdict(inputs)),
+        "charts": charts_section(inputs, page),
         "acceptance": acceptance_section(inputs, page),
         "drafter": drafter_section(inputs),
+        "training": training_section(inputs, page),
+        "extraction": extraction_section(inputs),
+        "gpu-reset": gpu_reset_section(inputs),
+        "settings": settings_section(inputs),
     }
     nav = tag("nav", join((tag("a", title, href=f"#{key}") for key, title in SECTIONS), " "))
     sections = join(tag("section", join([tag("h2", title), bodies[key]]), id=key) for key, title in SECTIONS)
@@ -571,7 +689,7 @@ def render_page(inputs: ReportInputs, page: Page) -> str:
         f"<title>{esc(f'EAGLE-3 pipeline report: {name}')}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n"
         f"<header>{tag('h1', f'EAGLE-3 pipeline report: {name}')}"
         f"{tag('p', where, class_='muted')}"
-        f"{nav}</header>\n<main>\n{tag('section', summary_cards(inputs), id='summary')}\n{sections}\n</main>\n"
+        f"{nav}</header>\n<main>\n{sections}\n</main>\n"
         f"<footer class=\"muted\">Written by eagle3-pipeline {esc(__version__)} (eagle3-pipeline report).</footer>\n"
         "</body>\n</html>\n"
     )
