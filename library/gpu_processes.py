@@ -20,6 +20,14 @@ description:
     each selected process is signalled alone.
   - With O(state=present) it only reports. In check mode it signals nothing and reports what
     it would stop.
+  - With O(spare_pipeline_jobs) (the default) the pipeline's own running jobs, the extraction,
+    the regeneration and the training started under this project's supervisor
+    (C(eagle3_pipeline.cli supervise ... start -- ... eagle3_pipeline.cli extract|regenerate|train)),
+    are never signalled, whatever O(match) says, and neither is the server on this host that such
+    a job talks to (its C(--server-url)). A job's processes are its supervisor, the job, every
+    descendant of it (torchrun and its workers) and the rest of the supervisor's session. They are
+    reported in RV(pipeline_jobs), and each one holding a GPU is in RV(left) with the job it
+    belongs to. Other servers stay stoppable.
 options:
   state:
     description: V(present) reports holders; V(absent) stops the selected ones.
@@ -61,6 +69,28 @@ options:
     type: str
     choices: [auto, always, never]
     default: auto
+  spare_pipeline_jobs:
+    description:
+      - Never signal the pipeline's own running jobs (extraction, regeneration, training under the
+        project's supervisor) nor the server on this host each one uses; a rerun's stage waits on them.
+      - V(false) treats them as any other holder.
+    type: bool
+    default: true
+  pipeline_state_dirs:
+    description:
+      - Supervisor state directories whose state files also tell running jobs (a job whose supervisor
+        process is gone but whose recorded PID still runs, which its stage would wait on).
+      - Jobs with a live supervisor are found from /proc whatever their state directory.
+    type: list
+    elements: path
+    default: []
+  pipeline_output_dirs:
+    description:
+      - This run's output directories. A job writing elsewhere is reported as another run's job
+        (spared too). Empty means this is not known and no job is called another run's.
+    type: list
+    elements: path
+    default: []
 notes:
   - Supports check mode.
   - Run as root (become) to see and stop other users' processes; otherwise the result
@@ -91,10 +121,27 @@ holders:
   elements: dict
   sample: [{pid: 4242, pgid: 4240, sid: 4240, cmdline: "python -m sglang.launch_server", gpus: [0], devices: ["/dev/nvidia0"], used_mib: 70000}]
 left:
-  description: Holders that were not stopped, each with its reason (protected, not matched, part of this run).
+  description:
+    - Holders that were not stopped, each with its reason (protected, not matched, part of this run,
+      a process of this pipeline's running job or of the server it uses).
+    - A process of a running job also has C(pipeline_job), the job's name.
   returned: always
   type: list
   elements: dict
+  sample: [{pid: 5120, cmdline: "python -m eagle3_pipeline.cli train ...", gpus: [0], pipeline_job: eagle3-train-run-0123456789,
+            reason: "this pipeline's running training eagle3-train-run-0123456789 (pid 5120): its stage waits on it (gpu_reset_spare_pipeline_jobs)"}]
+pipeline_jobs:
+  description:
+    - The pipeline's running jobs found (empty with O(spare_pipeline_jobs=false)), each with its name,
+      kind (extraction, regeneration, training), job PID, supervisor PID, output directory, whether it
+      is this run's (C(this_run), null when O(pipeline_output_dirs) is empty), the PIDs of its processes
+      and of the server it uses, the GPUs and device files they hold, and the reason it is spared.
+  returned: always
+  type: list
+  elements: dict
+  sample: [{name: eagle3-train-run-0123456789, kind: training, pid: 5120, supervisor_pid: 5119, found_by: supervisor,
+            output_dir: /data/run, this_run: true, pids: [5119, 5120], server_pids: [], holder_pids: [5120], gpus: [0],
+            devices: ["/dev/nvidia0"]}]
 units:
   description: What was (or would be) signalled, a process group as a whole or a single process.
   returned: always
@@ -158,6 +205,7 @@ from ansible.module_utils.gpu_nvml import (
     running_processes,
     select_indices,
 )
+from ansible.module_utils.pipeline_jobs import find_jobs, spared_reasons
 from ansible.module_utils.proc_stop import stop_units, survivor_message
 
 
@@ -205,6 +253,9 @@ def main():
             grace_s=dict(type="float", default=10.0),
             kill_wait_s=dict(type="float", default=10.0),
             use_nvml=dict(type="str", choices=["auto", "always", "never"], default="auto"),
+            spare_pipeline_jobs=dict(type="bool", default=True),
+            pipeline_state_dirs=dict(type="list", elements="path", default=[]),
+            pipeline_output_dirs=dict(type="list", elements="path", default=[]),
         ),
         supports_check_mode=True,
     )
@@ -235,7 +286,15 @@ def main():
     hits, unreadable = device_holders(paths)
     holders = find_holders(procs, per_gpu, hits)
     shielded = ancestors(os.getpid(), procs)
-    units, left = plan_stop(holders, procs, match, protect, shielded)
+    jobs = []
+    if p["spare_pipeline_jobs"]:
+        jobs = find_jobs(procs, shielded, p["pipeline_state_dirs"], p["pipeline_output_dirs"])
+    spared = spared_reasons(jobs)
+    units, left = plan_stop(holders, procs, match, protect, shielded, spared)
+    job_of = dict((pid, job.name) for job in jobs for pid in job.pids | job.server_pids)
+    for record in left:
+        if record["pid"] in job_of:
+            record["pipeline_job"] = job_of[record["pid"]]
 
     def annotate(record):
         holder = holders.get(record["pid"])
@@ -247,6 +306,7 @@ def main():
         changed=False,
         holders=[holders[pid].as_dict() for pid in sorted(holders)],
         left=left,
+        pipeline_jobs=[job.as_dict(holders) for job in jobs],
         units=[u.as_dict() for u in units],
         stopped=[],
         first_signal_at=None,

@@ -14,6 +14,10 @@ description:
   - On timeout the message names each GPU still held, the MiB it holds and each holder (PID,
     command line, and why it was left, e.g. protected, not matched, part of this run), or says
     that no process holds it (driver state; see the gpu_reset role's gpu_reset_smi_reset).
+  - With O(spare_pipeline_jobs) (the default) a GPU whose processes all belong to the pipeline's
+    own running jobs (the extraction, regeneration or training under the project's supervisor, or
+    the server on this host such a job uses; see the gpu_processes module) is not waited on. It is
+    reported in RV(held_by_pipeline_jobs), its stage waits on the job, and it does not fail.
   - Never changes anything.
 options:
   gpus:
@@ -42,6 +46,20 @@ options:
     type: list
     elements: str
     default: []
+  spare_pipeline_jobs:
+    description: Do not wait on GPUs held only by the pipeline's running jobs (and the servers they use); V(false) waits on them too.
+    type: bool
+    default: true
+  pipeline_state_dirs:
+    description: Supervisor state directories whose state files also tell running jobs (as for gpu_processes).
+    type: list
+    elements: path
+    default: []
+  pipeline_output_dirs:
+    description: This run's output directories; a job writing elsewhere is reported as another run's (as for gpu_processes).
+    type: list
+    elements: path
+    default: []
 notes:
   - Supports check mode; it changes nothing in either mode.
 requirements:
@@ -58,11 +76,15 @@ EXAMPLES = r"""
 
 RETURN = r"""
 gpus:
-  description: The last poll, one entry per GPU.
+  description:
+    - The last poll, one entry per GPU.
+    - With O(spare_pipeline_jobs), C(pipeline_jobs) names the pipeline's running jobs among its processes and
+      C(held_by_pipeline_jobs) says whether they alone hold it.
   returned: always
   type: list
   elements: dict
-  sample: [{index: 0, memory_used_mib: 0, memory_reserved_mib: 615, processes: [], free: true}]
+  sample: [{index: 0, memory_used_mib: 0, memory_reserved_mib: 615, processes: [], free: true, pipeline_jobs: [],
+            held_by_pipeline_jobs: false}]
 seconds:
   description: Seconds spent waiting.
   returned: always
@@ -72,9 +94,15 @@ polls:
   returned: always
   type: int
 freed_at:
-  description: Epoch seconds when every GPU was seen free.
+  description: Epoch seconds when every GPU was seen free (or held only by the pipeline's running jobs).
   returned: on success
   type: float
+held_by_pipeline_jobs:
+  description: The GPUs held only by the pipeline's running jobs (not waited on), with the MiB used and the jobs.
+  returned: always
+  type: list
+  elements: dict
+  sample: [{index: 0, memory_used_mib: 9120, jobs: ["training eagle3-train-run-0123456789 (pid 5120)"]}]
 held_without_process:
   description: Indices of GPUs still holding memory with no process on them (driver state).
   returned: always
@@ -86,7 +114,7 @@ import os
 import time
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.gpu_free import held_message, held_without_process, wait_free
+from ansible.module_utils.gpu_free import held_by_pipeline_jobs, held_message, held_without_process, wait_free
 from ansible.module_utils.gpu_holders import ancestors, compile_patterns, read_proc, snapshot, why_not_selectable
 from ansible.module_utils.gpu_nvml import (
     NVML_FAILURE_REMEDY,
@@ -96,6 +124,36 @@ from ansible.module_utils.gpu_nvml import (
     load_nvml,
     select_indices,
 )
+from ansible.module_utils.pipeline_jobs import find_jobs, spared_labels, spared_reasons
+
+# A process NVML shows that no job was known to have (a worker just started) makes the jobs be
+# looked for again, at most this often.
+JOBS_REFRESH_S = 1.0
+
+
+class JobView(object):
+    """The pipeline's running jobs as seen now, looked for again when NVML shows a PID not known."""
+
+    def __init__(self, state_dirs, output_dirs, clock=time.monotonic):
+        self.state_dirs = state_dirs
+        self.output_dirs = output_dirs
+        self.clock = clock
+        self.refreshed_at = None
+        self.refresh()
+
+    def refresh(self):
+        self.procs = snapshot()
+        self.shielded = ancestors(os.getpid(), self.procs)
+        self.jobs = find_jobs(self.procs, self.shielded, self.state_dirs, self.output_dirs)
+        self.labels = spared_labels(self.jobs)
+        self.reasons = spared_reasons(self.jobs)
+        self.refreshed_at = self.clock()
+
+    def label(self, pid):
+        """The label of the job a PID belongs to, or None."""
+        if pid not in self.labels and pid not in self.procs and self.clock() - self.refreshed_at >= JOBS_REFRESH_S:
+            self.refresh()
+        return self.labels.get(pid)
 
 
 def main():
@@ -108,6 +166,9 @@ def main():
             poll_s=dict(type="float", default=0.1),
             match=dict(type="list", elements="str", default=[]),
             protect=dict(type="list", elements="str", default=[]),
+            spare_pipeline_jobs=dict(type="bool", default=True),
+            pipeline_state_dirs=dict(type="list", elements="path", default=[]),
+            pipeline_output_dirs=dict(type="list", elements="path", default=[]),
         ),
         supports_check_mode=True,
     )
@@ -127,13 +188,15 @@ def main():
         nvml = load_nvml()
     except NvmlUnavailable as exc:
         module.fail_json(msg="cannot verify that GPUs are free: %s" % exc)
+    jobs = JobView(p["pipeline_state_dirs"], p["pipeline_output_dirs"]) if p["spare_pipeline_jobs"] else None
     try:
         try:
             indices = select_indices(p["gpus"], device_count(nvml))
         except ValueError as exc:
             module.fail_json(msg=str(exc))
         ok, states, seconds, polls = wait_free(
-            nvml, indices, handles(nvml, indices), p["max_used_mib"], p["timeout_s"], p["poll_s"]
+            nvml, indices, handles(nvml, indices), p["max_used_mib"], p["timeout_s"], p["poll_s"],
+            spared=jobs.label if jobs else None,
         )
     except nvml.NVMLError as exc:
         module.fail_json(
@@ -147,18 +210,20 @@ def main():
         seconds=seconds,
         polls=polls,
         held_without_process=held_without_process(states),
+        held_by_pipeline_jobs=held_by_pipeline_jobs(states),
     )
     if ok:
         module.exit_json(freed_at=time.time(), **result)
 
     procs = snapshot()
     shielded = ancestors(os.getpid(), procs)
+    spared = jobs.reasons if jobs else None
 
     def explain(pid):
         proc = procs.get(pid) or read_proc(pid)
         if proc is None:
             return "command line unknown", "not visible from this host's /proc (another PID namespace?)"
-        reason = why_not_selectable(proc, match, protect, shielded)
+        reason = why_not_selectable(proc, match, protect, shielded, spared)
         return proc.display, reason or "selectable, but still running: it was not stopped before this check"
 
     module.fail_json(msg=held_message(states, p["max_used_mib"], p["timeout_s"], explain), **result)

@@ -24,9 +24,9 @@ SHARED_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-too
 class ProcInfo(object):
     """One process as read from /proc/<pid>/stat and cmdline."""
 
-    __slots__ = ("pid", "ppid", "pgid", "sid", "state", "flags", "starttime", "comm", "cmdline")
+    __slots__ = ("pid", "ppid", "pgid", "sid", "state", "flags", "starttime", "comm", "cmdline", "argv")
 
-    def __init__(self, pid, ppid, pgid, sid, state, flags, starttime, comm, cmdline):
+    def __init__(self, pid, ppid, pgid, sid, state, flags, starttime, comm, cmdline, argv=None):
         self.pid = pid
         self.ppid = ppid
         self.pgid = pgid
@@ -36,6 +36,9 @@ class ProcInfo(object):
         self.starttime = starttime
         self.comm = comm
         self.cmdline = cmdline
+        # The arguments one by one (the command line's NUL-separated parts): a job's argv is
+        # recognised from them, not from the joined text.
+        self.argv = argv if argv is not None else cmdline.split()
 
     @property
     def is_kernel_thread(self):
@@ -72,7 +75,10 @@ def read_proc(pid, proc_root=PROC):
             raw = handle.read()
     except OSError:
         raw = b""
-    cmdline = " ".join(part.decode("utf-8", "replace") for part in raw.split(b"\0") if part)
+    argv = [part.decode("utf-8", "replace") for part in raw.split(b"\0")]
+    if argv and argv[-1] == "":
+        argv.pop()  # the terminating NUL
+    cmdline = " ".join(part for part in argv if part)
     return ProcInfo(
         pid=int(pid),
         ppid=int(fields[1]),
@@ -83,6 +89,7 @@ def read_proc(pid, proc_root=PROC):
         starttime=int(fields[19]),
         comm=comm,
         cmdline=cmdline,
+        argv=argv,
     )
 
 
@@ -196,12 +203,13 @@ def first_match(patterns, text):
     return None
 
 
-def why_not_selectable(proc, match, protect, shielded):
+def why_not_selectable(proc, match, protect, shielded, spared=None):  # noqa: PLR0911 - one exit per reason
     """None when the process may be stopped, else the reason (for reports and messages).
 
     ``match`` and ``protect`` are compiled patterns searched in the command line (or
     ``[comm]`` for processes without one); ``shielded`` is the set of PIDs never touched
-    (the caller's ancestors).
+    (the caller's ancestors); ``spared`` maps more PIDs never touched to the reason why
+    (the pipeline's own running jobs, see pipeline_jobs), whatever ``match`` says.
     """
     if proc.pid == 1:
         return "PID 1 (init) is never stopped"
@@ -209,6 +217,8 @@ def why_not_selectable(proc, match, protect, shielded):
         return "kernel thread"
     if proc.pid in shielded:
         return "part of this run (an ancestor of the module: the Ansible run or what started it)"
+    if spared and proc.pid in spared:
+        return spared[proc.pid]
     hit = first_match(protect, proc.display)
     if hit is not None:
         return "protected: matches %r (gpu_reset_protect or gpu_reset_protect_extra)" % hit.pattern
@@ -285,18 +295,19 @@ class StopUnit(object):
         return {"kind": self.kind, "id": self.ident, "pids": sorted(m.pid for m in self.members)}
 
 
-def plan_stop(holders, procs, match, protect, shielded):
+def plan_stop(holders, procs, match, protect, shielded, spared=None):
     """Split holders into (units to stop, protected/left records).
 
     Returns (units, left) where ``left`` is a list of holder dicts with the reason each one
     is left alone. A holder's whole process group becomes one unit when every member of the
-    group may be stopped; otherwise each selectable holder is its own unit.
+    group may be stopped; otherwise each selectable holder is its own unit. ``spared``:
+    {pid: reason} of processes never stopped (see why_not_selectable).
     """
     left = []
     selected = []
     for pid in sorted(holders):
         holder = holders[pid]
-        reason = why_not_selectable(holder.proc, match, protect, shielded)
+        reason = why_not_selectable(holder.proc, match, protect, shielded, spared)
         if reason is None:
             selected.append(holder)
         else:
@@ -312,7 +323,7 @@ def plan_stop(holders, procs, match, protect, shielded):
             continue
         members = by_group.get(proc.pgid, [proc])
         whole_group = proc.pgid > 1 and all(
-            why_not_selectable(member, match, protect, shielded) is None for member in members
+            why_not_selectable(member, match, protect, shielded, spared) is None for member in members
         )
         if whole_group:
             units.append(StopUnit("group", proc.pgid, sorted(members, key=lambda m: m.pid)))

@@ -20,6 +20,8 @@ was asked to do is in place, then sleeps until a signal ends it. Options:
   --child-tag WORD      the children get ``--tag WORD`` (by default their command lines have none)
   --spawn-on-term PATH  on SIGTERM, start a TERM-ignoring child in this group and write its pid
                         to PATH (a launcher that respawns a worker while being stopped)
+  --listen              listen on a TCP port of 127.0.0.1 (chosen by the kernel; "port" in the ready
+                        file) and never answer: a server that a client waits on
   --comm NAME           set the process name (/proc/<pid>/comm)
   --die-with-parent     get SIGKILL if the parent dies (a safety net if the test run is killed)
   --lifetime S          end after S seconds (SIGALRM), should the test that started it die
@@ -35,6 +37,7 @@ import json
 import mmap
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -94,6 +97,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--child-term-marker")
     parser.add_argument("--child-tag")
     parser.add_argument("--spawn-on-term")
+    parser.add_argument("--listen", action="store_true")
     parser.add_argument("--comm")
     parser.add_argument("--die-with-parent", action="store_true")
     parser.add_argument("--lifetime", type=int, default=120)
@@ -130,6 +134,13 @@ def main() -> None:
         signal.signal(signal.SIGTERM, on_term)
 
     held = []
+    port = None
+    if args.listen:
+        server = socket.socket()
+        server.bind(("127.0.0.1", 0))
+        server.listen(64)  # connections wait in the backlog; nothing is ever read or answered
+        held.append(server)
+        port = server.getsockname()[1]
     if args.hold:
         held.append(open(args.hold, "rb"))  # held until the process ends
     if args.mmap:
@@ -151,7 +162,10 @@ def main() -> None:
         child_ready.append(ready)
     wait_ready(child_ready)
 
-    write_atomic(args.ready, json.dumps({"pid": os.getpid(), "children": [c.pid for c in children]}))
+    ready = {"pid": os.getpid(), "children": [c.pid for c in children]}
+    if port is not None:
+        ready["port"] = port
+    write_atomic(args.ready, json.dumps(ready))
     while True:
         signal.pause()
 

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+
+CLI = [sys.executable, "-m", "eagle3_pipeline.cli"]
 
 
 def read_report(report_dir: Path, check: bool = False) -> dict:
@@ -161,3 +167,75 @@ def test_a_bad_regex_fails_naming_the_option_and_pattern(variable, option, devic
     assert "not a valid regular expression" in message
     assert holder.alive()
     assert not holder.got_sigterm()
+
+
+@pytest.fixture
+def extraction_job(tmp_path):
+    """A real extraction under the supervisor, as the extraction role starts it, left running.
+
+    Its server listens (here, in the test) and never answers: the job waits on it for as long as the
+    test needs. Yields (name, state dir, the state file's record); the job is stopped at the end.
+    """
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    dataset = tmp_path / "dataset.jsonl"
+    conversation = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]
+    dataset.write_text(json.dumps({"conversations": conversation}) + "\n")
+    name, state_dir = "eagle3-extract-part-0-of-1", tmp_path / "jobs"
+    supervise = [*CLI, "supervise", "--name", name, "--state-dir", str(state_dir)]
+    job = [*CLI, "extract", "--dataset", str(dataset), "--output-dir", str(tmp_path / "run-a" / "data"),
+           "--server-url", "http://127.0.0.1:%d" % server.getsockname()[1], "--request-timeout-s", "300",
+           "--retries", "0", "--no-merge"]  # fmt: skip
+    started = subprocess.run([*supervise, "--log-file", str(state_dir / f"{name}.log"), "start", "--", *job],
+                             capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    record = json.loads(started.stdout)
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{record['pid']}/cmdline").read_bytes().split(b"\0")[:-1] != [a.encode() for a in job]:
+        assert time.monotonic() < deadline, "the job did not execute its command"
+        time.sleep(0.01)
+    try:
+        yield name, state_dir, record
+    finally:
+        subprocess.run([*supervise, "--grace-s", "2", "stop"], capture_output=True, timeout=60, check=False)
+        server.close()
+
+
+def test_a_running_job_of_another_run_is_never_signalled_and_the_summary_says_so(
+    tmp_path, extraction_job, run_gpu_reset
+):
+    name, state_dir, job = extraction_job
+    log = Path(job["log_file"])
+    report_dir = tmp_path / "report"
+    # This run's output directories are elsewhere: the job is another run's. Its log is the "device file":
+    # the job and its supervisor hold it open, and with the default gpu_reset_match any holder goes.
+    run = run_gpu_reset({
+        "gpu_reset_device_paths": [str(log)],
+        "gpu_reset_report_dir": str(report_dir),
+        "gpu_reset_pipeline_output_dirs": [str(tmp_path / "run-b" / "data")],
+        "gpu_reset_grace_s": 2,
+    })  # fmt: skip
+
+    assert run.status == "successful", run.stdout
+    status = subprocess.run([*CLI, "supervise", "--name", name, "--state-dir", str(state_dir), "status"],
+                            capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    now = json.loads(status.stdout)
+    assert now["running"] is True and (now["pid"], now["pid_start_time"]) == (job["pid"], job["pid_start_time"]), (
+        "the reset stopped the pipeline's running extraction"
+    )
+    stop = run.result("gpu_processes")
+    assert stop["stopped"] == [] and stop["changed"] is False
+    reason = (
+        f"this pipeline's running extraction {name} (pid {job['pid']}) of another run (output directory "
+        f"{tmp_path / 'run-a' / 'data'}, not this run's): never stopped by the reset "
+        "(gpu_reset_spare_pipeline_jobs); it keeps its GPUs"
+    )
+    assert {(r["pid"], r["reason"]) for r in stop["left"]} == {(job["pid"], reason), (job["supervisor_pid"], reason)}
+    summary = "\n".join(run.summary())
+    assert (
+        f"spared this pipeline's running extraction {name} (pid {job['pid']}) of another run (output directory "
+        f"{tmp_path / 'run-a' / 'data'}, not this run's): never signalled, it keeps what it holds"
+    ) in summary, summary
+    (reported,) = [j for j in read_report(report_dir)["pipeline_jobs"] if j["pid"] == job["pid"]]
+    assert reported["this_run"] is False and reported["name"] == name
+    assert reported["holder_pids"] == sorted([job["pid"], job["supervisor_pid"]])

@@ -269,6 +269,63 @@ def test_a_killed_job_fails_the_play_at_once_and_a_rerun_resumes_from_its_checkp
     )
 
 
+def test_a_rerun_while_the_training_runs_leaves_it_to_the_reset_and_waits_on_it(data_dir, workdir, tmp_path_factory):
+    out = workdir / "drafter-run"
+    unheld = workdir / "nvidia-unheld"
+    unheld.write_bytes(b"")
+    # About 10 steps an epoch (32 training samples in 256-token batches): 200 steps outlast the rerun's way to
+    # its reset (ansible-playbook's start, the reset's first tasks) many times over, even on a busy machine.
+    steps = 200
+    extravars = training_vars(data_dir, workdir, eagle_training_epochs=25, eagle_training_max_steps=steps,
+                              eagle_training_checkpoint_every=100, gpu_reset_device_paths=[str(unheld)],
+                              eagle_training_timeout=1)  # fmt: skip
+
+    # The first run gives up waiting at once; its training goes on, detached, as after a lost connection.
+    first = run_playbook(tmp_path_factory, extravars)
+
+    assert first.status == "failed", first.stdout
+    (state_file,) = (workdir / "jobs").glob("*.json")
+    job = json.loads(state_file.read_text())
+    assert (f"the training was not done by the deadline; the job (PID {job['pid']}) keeps running"
+            in first.failures()[0]["res"]["msg"]), first.stdout  # fmt: skip
+    assert job["exit_code"] is None
+    log = Path(job["log_file"])
+
+    # The rerun's reset looks for the holders of the job's log file (its stdout and stderr): the job and its
+    # supervisor hold it, as a training holds /dev/nvidia*; with the default gpu_reset_match any holder goes.
+    rerun = run_playbook(tmp_path_factory, {**extravars, "eagle_training_timeout": 1200,
+                                            "gpu_reset_device_paths": [str(log)], "gpu_reset_grace_s": 2})  # fmt: skip
+
+    assert rerun.status == "successful", rerun.stdout
+    (stop,) = [e["event_data"]["res"] for e in rerun.events
+               if e.get("event") == "runner_on_ok" and e["event_data"].get("task_action") == "gpu_processes"]
+    assert {h["pid"] for h in stop["holders"]} == {job["pid"], job["supervisor_pid"]}, (
+        "the training was not running when the reset looked: it must outlast the rerun's start"
+    )
+    after = json.loads(state_file.read_text())
+    assert (after["pid"], after["pid_start_time"]) == (job["pid"], job["pid_start_time"]), (
+        f"the job was stopped and another started (its log: {log.read_text()[-2000:]})"
+    )
+    assert after["exit_code"] == 0
+    assert "SIGTERM" not in log.read_text(), "the training got SIGTERM"
+    assert stop["stopped"] == [] and stop["changed"] is False
+    reason = (f"this pipeline's running training {job['name']} (pid {job['pid']}): its stage waits on it "
+              "(gpu_reset_spare_pipeline_jobs)")  # fmt: skip
+    assert {(r["pid"], r["reason"]) for r in stop["left"]} == {(job["pid"], reason), (job["supervisor_pid"], reason)}
+    (found,) = [j for j in stop["pipeline_jobs"] if j["pid"] == job["pid"]]
+    assert found["this_run"] is True and found["output_dir"] == str(out)
+    shown = [e["event_data"]["res"]["msg"] for e in rerun.events
+             if e.get("event") == "runner_on_ok" and e["event_data"]["task"] == "Show the report"]  # fmt: skip
+    assert (f"spared this pipeline's running training {job['name']} (pid {job['pid']}, output {out}): never "
+            "signalled; its stage waits on it") in "\n".join(shown[0])  # fmt: skip
+    (started,) = [e["event_data"]["res"] for e in rerun.events if e.get("event") == "runner_on_ok"
+                  and e["event_data"]["task"].startswith("Start the training, detached")]  # fmt: skip
+    assert started["changed"] is False, "the rerun did not attach to the running job"
+    assert [record["step"] for record in metric_records(out, "train")] == list(range(1, steps + 1))
+    assert json.loads((out / "progress.json").read_text())["state"] == "done"
+    assert f"step {steps}/{steps}" in rerun.summary()
+
+
 def two_node_inventory(workdir: Path, data_dir: Path, **host_vars) -> Path:
     """Two host aliases of this machine (node-a, node-b), each running its own job: two torchrun nodes."""
     inventory = workdir / "inventory.yml"

@@ -31,6 +31,7 @@ class Child:
     popen: subprocess.Popen
     key: tuple  # (pid, start time)
     children: list = field(default_factory=list)  # [(pid, start time)] of its own children
+    ready: dict = field(default_factory=dict)  # what it wrote to its ready file (e.g. "port" with --listen)
 
     @property
     def pid(self):
@@ -82,7 +83,8 @@ class Spawner:
             time.sleep(0.005)
         info = read_proc(popen.pid)
         child.key = (popen.pid, info.starttime)
-        for pid in json.loads(ready.read_text())["children"]:
+        child.ready = json.loads(ready.read_text())
+        for pid in child.ready["children"]:
             grandchild = read_proc(pid)
             assert grandchild is not None and grandchild.ppid == popen.pid, "child %d of %d vanished" % (pid, popen.pid)
             child.children.append(grandchild.key())

@@ -340,9 +340,18 @@ def test_gpu_wait_free_succeeds_once_memory_is_released(install_nvml, capsys):
     assert result["changed"] is False
     assert result["polls"] == 2
     assert result["gpus"] == [
-        {"index": 0, "memory_used_mib": 0, "memory_reserved_mib": 615, "processes": [], "free": True}
+        {
+            "index": 0,
+            "memory_used_mib": 0,
+            "memory_reserved_mib": 615,
+            "processes": [],
+            "free": True,
+            "pipeline_jobs": [],
+            "held_by_pipeline_jobs": False,
+        }
     ]
     assert result["held_without_process"] == []
+    assert result["held_by_pipeline_jobs"] == []
     assert isinstance(result["freed_at"], float)
     assert fake.initialised == 0
 
