@@ -26,6 +26,7 @@ import ansible_runner
 import pytest
 
 from eagle3_pipeline.cli import runner_path
+from eagle3_pipeline.runner import simplify_event
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "eagle3_pipeline.cli"]
@@ -371,6 +372,12 @@ def test_the_measurement_runs_asynchronously_and_the_controller_polls_it(tmp_pat
     (result,) = run.results(MEASURE_TASK)
     assert result["res"]["ansible_job_id"] and result["res"]["rc"] == 0
     assert "ASYNC POLL on localhost" in stdout
+    # The Python API turns each check into a progress event of the task.
+    polls = [simple for event in run.seen() if event.get("event") == "runner_on_async_poll"
+             and (simple := simplify_event(event))]
+    assert len(polls) >= 2 and all(p["kind"] == "progress" and p["host"] == "localhost" and p["role"] == "evaluation"
+                                   for p in polls), polls
+    assert polls[0]["message"] == "still running on the host (asynchronous job %s)" % result["res"]["ansible_job_id"]
 
 
 def test_a_measurement_that_fails_names_its_own_error(tmp_path, inventory):
