@@ -227,6 +227,27 @@ def test_a_job_that_dies_during_the_wait_fails_the_task_with_its_reason(stage, t
     assert "last progress: " in message
 
 
+def test_follow_false_makes_one_call_that_reports_a_running_job(tmp_path, state_dir, inventory):
+    out = tmp_path / "out"
+    job = subprocess.run([*CLI, "supervise", "--name", "training", "--state-dir", str(state_dir), "--log-file",
+                          str(state_dir / "training.log"), "start", "--", sys.executable, "-c", JOB,
+                          str(out / "progress.json"), json.dumps(TRAINING), str(tmp_path / "any")],
+                         capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    playbook = json.dumps([{"name": "One look", "hosts": "localhost", "gather_facts": False, "tasks": [
+        {"name": "Look at the training", "training_progress": {
+            "output_dir": str(out), "state_dir": str(state_dir), "name": "training", "wait_s": 1, "follow": False}}]}])
+
+    run = BackgroundRun(tmp_path / "runner", playbook, inventory)
+    status = run.finish()
+
+    assert status == "successful", run.stdout()
+    (result,) = run.results("Look at the training")
+    res = result["res"]
+    assert res["polls"] == 1 and res["finished"] is False and res["job"]["pid"] == json.loads(job.stdout)["pid"]
+    assert res["state"] in ("starting", "running")
+    assert len(run.lines("")) == 1, run.stdout()
+
+
 # A small HTTP server standing in for a loading SGLang: /health answers 503 ("loading") until the
 # file "ready" appears beside its log, then 200; it logs a line while it loads, and on the file
 # "die" it logs an error and exits 1.
