@@ -1,32 +1,32 @@
 #!/usr/bin/python
-"""Ansible module extraction_progress: wait a while for an extraction (or regeneration) part, and tell finished from dead."""
+"""Ansible module extraction_progress: wait for an extraction (or regeneration) part, and tell finished from dead."""
 
 from __future__ import absolute_import, division, print_function
 
 DOCUMENTATION = r"""
 ---
 module: extraction_progress
-short_description: Wait for an extraction (or regeneration) part's progress, and fail at once when its job died
+short_description: Wait for an extraction (or regeneration) part, printing its progress, and fail at once when its job died
 description:
   - Reads the progress file C(<output_dir>/parts/part-K-of-N.progress.json) that
     C(eagle3-pipeline extract --part K/N) rewrites about once a second, and returns its counts
-    and a one-line summary in C(msg), e.g. C(412/1000 samples, 3 skipped, 0 failed, 5,210 tokens/s,
-    about 0:03:12 left).
+    and a one-line summary in C(msg), e.g. C(412/1000 samples, 3 skipped, 0 failed,
+    5,210 tokens/s, about 0:03:12 left) after C(part 0/2).
   - With O(stage=regeneration) it follows C(eagle3-pipeline regenerate --part K/N) the same way,
     whose progress file counts conversations and the assistant turns answered
     (C(412/1000 conversations, 0 skipped, 0 failed, 655 turns, 5,210 tokens/s, ...)).
-  - Polls for up to O(wait_s) seconds and returns early when the part reaches a final state or
-    its state changes (e.g. the job's first report). Counters alone do not end the wait, so a
-    task retried with C(until) prints one line per O(wait_s).
+  - One call looks for up to O(wait_s) seconds and returns early when the part reaches a final
+    state or its state changes (e.g. the job's first report); counters alone do not end it. Its
+    action plugin calls it again until the part is done (O(follow)), printing C(msg) after each
+    call, so one line per O(wait_s), in one task.
   - With O(state_dir) and O(name), reads the state file that this project's supervisor keeps
     for the job, C(<state_dir>/<name>.json), with its PID, start time and exit code. It fails at
     once, with the progress message and the last lines of O(log_file), when the job exited with
     a non-zero code, or when the recorded process no longer runs while the part is not done.
     A progress file written by another PID than the recorded job (a previous run's) is ignored.
   - Fails when the part reports C(failed) or C(stopped) (the job was asked to stop), naming the
-    job's message, and when O(deadline) passes before the part is done (the job itself keeps
+    job's message, and when O(timeout_s) passes before the part is done (the job itself keeps
     running).
-  - Changes nothing.
 options:
   output_dir:
     description: The extraction's (or regeneration's) output directory (the job's C(--output-dir)).
@@ -45,38 +45,10 @@ options:
     description: N of the part K/N, the number of parts (hosts) the dataset is split into.
     type: int
     default: 1
-  state_dir:
-    description:
-      - The supervisor's state directory (C(eagle3-pipeline supervise --state-dir)).
-      - Without it only the progress file's own C(pid) is checked, with no exit code to report.
-    type: path
-  name:
-    description: The supervised job's name (C(eagle3-pipeline supervise --name)); needed with O(state_dir).
-    type: str
-  log_file:
-    description: The job's log, whose last lines go into failure messages; default C(<state_dir>/<name>.log).
-    type: path
-  log_lines:
-    description: How many of the log's last lines a failure message shows.
-    type: int
-    default: 30
-  wait_s:
-    description: Longest wait, in seconds, before returning the current progress (0 returns at once).
-    type: float
-    default: 30
-  poll_s:
-    description: Seconds between reads of the progress file.
-    type: float
-    default: 0.5
-  deadline:
-    description:
-      - Epoch seconds by which the part must be done; past it the module fails and says that the
-        job keeps running. Unset, it waits without limit (bound the retries instead).
-    type: float
+extends_documentation_fragment:
+  - job_progress
+  - polling
 notes:
-  - Supports check mode; it only reads in either mode.
-  - Its action plugin (action_plugins/extraction_progress.py) prints C(msg) on the controller
-    after every call, so that each retry of an C(until) loop shows the progress without C(-v).
   - The results C(samples_skipped) and C(samples_failed) are not called C(skipped) and C(failed),
     because Ansible reads those keys of a result as the task's own status.
 author:
@@ -92,10 +64,17 @@ EXAMPLES = r"""
     state_dir: /var/lib/eagle3-pipeline/jobs
     name: eagle3-extract-part-0-of-2
     wait_s: 30
+    timeout_s: 86400
   register: part
-  until: part.finished or part is failed
-  retries: 2880
-  delay: 0
+
+- name: One look at the part, without waiting
+  extraction_progress:
+    output_dir: /data/eagle3/kimi
+    part_index: 0
+    part_count: 2
+    wait_s: 0
+    follow: false
+  register: look
 """
 
 RETURN = r"""
@@ -150,7 +129,7 @@ msg:
   description: The progress in one line.
   returned: always
   type: str
-  sample: 412/1000 samples, 3 skipped, 0 failed, 5,210 tokens/s, about 0:03:12 left
+  sample: "part 0/2: 412/1000 samples, 3 skipped, 0 failed, 5,210 tokens/s, about 0:03:12 left"
 progress:
   description: This job's progress file as read, or null before its first report.
   returned: always
@@ -164,108 +143,36 @@ job:
   returned: always
   type: dict
 seconds:
-  description: Seconds this call waited.
+  description: Seconds the last call waited.
   returned: always
   type: float
+waited_s:
+  description: Seconds the task waited in all, up to the end of the last call.
+  returned: always
+  type: float
+polls:
+  description: The calls of the module that the action plugin made (each one SSH round trip).
+  returned: always
+  type: int
 """
 
-import os
-import time
-
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.extraction_progress import (
-    ProgressError,
-    dead_message,
-    failed_message,
-    progress_line,
-    progress_path,
-    read_status,
-    wait_for_change,
-)
-
-JOB_KEYS = ("name", "pid", "pgid", "supervisor_pid", "exit_code", "started_at", "ended_at", "log_file")
-
-
-def _number(progress, key):
-    value = (progress or {}).get(key)
-    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+from ansible.module_utils.extraction_progress import PartStage
+from ansible.module_utils.job_progress import argument_spec, run_module
 
 
 def main():
     """Map options to the wait; the look it ends on to JSON, or to a failure naming the cause."""
     module = AnsibleModule(
-        argument_spec=dict(
-            output_dir=dict(type="path", required=True),
+        argument_spec=argument_spec(
             stage=dict(type="str", default="extraction", choices=["extraction", "regeneration"]),
             part_index=dict(type="int", default=0),
             part_count=dict(type="int", default=1),
-            state_dir=dict(type="path"),
-            name=dict(type="str"),
-            log_file=dict(type="path"),
-            log_lines=dict(type="int", default=30),
-            wait_s=dict(type="float", default=30.0),
-            poll_s=dict(type="float", default=0.5),
-            deadline=dict(type="float"),
         ),
         required_together=[("state_dir", "name")],
         supports_check_mode=True,
     )
-    p = module.params
-    if p["part_count"] < 1:
-        module.fail_json(msg="part_count must be >= 1, got %d" % p["part_count"])
-    if not 0 <= p["part_index"] < p["part_count"]:
-        module.fail_json(msg="part_index must be in 0..%d (part_count - 1), got %d" % (p["part_count"] - 1, p["part_index"]))
-    if not 0 <= p["wait_s"] <= 3600:
-        module.fail_json(msg="wait_s must be between 0 and 3600 seconds, got %s" % p["wait_s"])
-    if not 0 < p["poll_s"] <= 60:
-        module.fail_json(msg="poll_s must be > 0 and <= 60 seconds, got %s" % p["poll_s"])
-    if not 1 <= p["log_lines"] <= 1000:
-        module.fail_json(msg="log_lines must be between 1 and 1000, got %d" % p["log_lines"])
-
-    label = "%d/%d" % (p["part_index"], p["part_count"])
-    progress_file = progress_path(p["output_dir"], p["part_index"], p["part_count"])
-    job_file = os.path.join(p["state_dir"], p["name"] + ".json") if p["state_dir"] else None
-    log_file = p["log_file"] or (os.path.join(p["state_dir"], p["name"] + ".log") if p["state_dir"] else None)
-    result = dict(changed=False, finished=False, state="starting", part=label, progress_file=progress_file)
-    try:
-        (_progress, job, state, mine), seconds = wait_for_change(
-            lambda: read_status(progress_file, job_file, p["stage"]), p["wait_s"], p["poll_s"], p["deadline"]
-        )
-    except ProgressError as exc:
-        module.fail_json(msg="part %s: %s" % (label, exc), **result)
-    result.update(
-        finished=state == "done",
-        state=state,
-        samples_total=_number(mine, "total") or 0,
-        samples_done=_number(mine, "done") or 0,
-        samples_skipped=_number(mine, "skipped") or 0,
-        samples_failed=_number(mine, "failed") or 0,
-        tokens=_number(mine, "tokens") or 0,
-        turns=_number(mine, "turns") or 0,
-        tokens_per_s=_number(mine, "tokens_per_s"),
-        eta_s=_number(mine, "eta_s"),
-        msg="part %s: %s" % (label, progress_line(mine)),
-        progress=mine,
-        job=dict((key, job.get(key)) for key in JOB_KEYS) if job else None,
-        seconds=seconds,
-    )
-    if state in ("failed", "stopped"):
-        module.fail_json(**dict(result, msg=failed_message(label, mine, p["name"], log_file, p["log_lines"],
-                                                           p["stage"])))
-    if state == "dead":
-        module.fail_json(**dict(result, msg=dead_message(label, mine, job, p["name"], log_file, p["log_lines"],
-                                                         p["stage"])))
-    if state != "done" and p["deadline"] is not None and time.time() >= p["deadline"]:
-        running = " (PID %s)" % job.get("pid") if job else ""
-        module.fail_json(
-            **dict(
-                result,
-                msg="part %s was not done by the deadline; the job%s keeps running, at %s. Run the playbook again "
-                "to go on waiting (it attaches to the running job), or raise the timeout (%s_timeout_s)"
-                % (label, running, progress_line(mine), p["stage"]),
-            )
-        )
-    module.exit_json(**result)
+    run_module(module, PartStage(module.params))
 
 
 if __name__ == "__main__":

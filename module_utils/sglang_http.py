@@ -1,7 +1,7 @@
 """Talking to an SGLang-compatible server (SGLang itself or the reference engine) over HTTP.
 
-Plain functions over the standard library, so they run on any managed host: wait until the
-server answers /health (or its process died: then the log's last lines say why), compare the
+Plain functions over the standard library, so they run on any managed host: wait a while for
+the server to answer /health (or its process died: then the log's last lines say why), compare the
 live /server_info with what was asked, and send a probe request whose capture file is checked
 by reading the safetensors header (no torch needed).
 """
@@ -66,11 +66,11 @@ def pid_running(pid):
     return state not in (b"Z", b"X")
 
 
-def wait_ready(base_url, timeout_s, api_key=None, pid=None, log_file=None, poll_s=0.25):
-    """Poll /health until it answers 200; return seconds waited.
+def wait_health(base_url, wait_s, api_key=None, pid=None, log_file=None, poll_s=0.25):
+    """Poll /health for up to ``wait_s`` seconds; return (ready, seconds waited, the last answer or error).
 
-    Fails at once, with the log's last lines, when ``pid`` (the server process) has exited,
-    and after ``timeout_s`` otherwise.
+    Returns as soon as /health answers 200. Fails at once, with the log's last lines, when
+    ``pid`` (the server process) has exited.
     """
     start = time.monotonic()
     last = "no answer yet"
@@ -83,17 +83,44 @@ def wait_ready(base_url, timeout_s, api_key=None, pid=None, log_file=None, poll_
         try:
             status, body = http_json(base_url + "/health", api_key=api_key, timeout=5.0)
             if status == 200:
-                return round(time.monotonic() - start, 3)
+                return True, round(time.monotonic() - start, 3), "HTTP 200"
             last = "HTTP %d: %s" % (status, str(body)[:200])
         except (URLError, OSError, ValueError) as exc:
             last = str(getattr(exc, "reason", exc))
-        if time.monotonic() - start >= timeout_s:
-            raise ServerError(
-                "%s/health did not answer 200 within %s s (last: %s); raise sglang_server_ready_timeout_s "
-                "for a big model, or read the log. Last lines of %s:\n%s"
-                % (base_url, timeout_s, last, log_file, log_tail(log_file))
-            )
-        time.sleep(poll_s)
+        elapsed = time.monotonic() - start
+        if elapsed >= wait_s:
+            return False, round(elapsed, 3), last
+        time.sleep(max(0.0, min(poll_s, wait_s - elapsed)))
+
+
+def not_ready_message(base_url, timeout_s, last, log_file):
+    """The server did not answer /health within ``timeout_s``: what to do, and the log's last lines."""
+    return (
+        "%s/health did not answer 200 within %g s (last: %s); raise sglang_server_ready_timeout_s "
+        "for a big model, or read the log. Last lines of %s:\n%s"
+        % (base_url, timeout_s, last, log_file, log_tail(log_file))
+    )
+
+
+def wait_ready(base_url, timeout_s, api_key=None, pid=None, log_file=None, poll_s=0.25):
+    """Poll /health until it answers 200; return seconds waited.
+
+    Fails at once, with the log's last lines, when ``pid`` (the server process) has exited,
+    and after ``timeout_s`` otherwise.
+    """
+    ready, seconds, last = wait_health(base_url, timeout_s, api_key, pid, log_file, poll_s)
+    if not ready:
+        raise ServerError(not_ready_message(base_url, timeout_s, last, log_file))
+    return seconds
+
+
+def last_log_line(path, width=160):
+    """The log's last non-empty line, cut to ``width`` characters ("" when there is none)."""
+    lines = [line.strip() for line in log_tail(path, 20).splitlines() if line.strip()] if path else []
+    if not lines or (lines[-1].startswith("(cannot read ") and len(lines) == 1):
+        return ""
+    line = lines[-1]
+    return line if len(line) <= width else line[: width - 1] + "\u2026"
 
 
 def server_info_mismatches(expected, actual):

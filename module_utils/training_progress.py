@@ -6,8 +6,7 @@ runs: ``state`` (running, done, failed, stopped), ``step``, ``total_steps``, ``e
 ``pid`` and ``updated`` (epoch seconds). The role starts the command under this project's
 supervisor, whose state file ``<state_dir>/<name>.json`` records the job's PID, start time and,
 once it ended, its exit code; reading both tells running, finished, failed-and-said-so and
-died-without-a-word apart, as for the extraction (``extraction_progress``, whose generic pieces
-this module reuses).
+died-without-a-word apart, as ``job_progress`` does for every job (the extraction's too).
 
 Which progress file is this job's: the supervisor's child is the ``train`` command; with
 ``--nproc-per-node`` or ``--nnodes`` above 1 that command launches torchrun, and rank 0, which
@@ -25,21 +24,18 @@ from __future__ import absolute_import, division, print_function
 import json
 import os
 
-from ansible.module_utils.extraction_progress import (
+from ansible.module_utils.job_progress import (
     FINAL_STATES,
     ProgressError,
-    describe_exit,
+    Stage,
     format_duration,
     job_running,
-    read_json,
-    wait_for_change,
+    number,
 )
-from ansible.module_utils.extraction_progress import assess as assess_without_supervisor
-from ansible.module_utils.sglang_http import log_tail
 
 __all__ = [
-    "FINAL_STATES", "ProgressError", "assess", "dead_message", "failed_message", "format_duration", "last_records",
-    "progress_line", "progress_path", "read_status", "wait_for_change",
+    "FINAL_STATES", "ProgressError", "TrainingStage", "acc_text", "format_duration", "last_records", "metrics_path",
+    "number", "progress_line", "progress_path",
 ]  # fmt: skip
 
 # How much of metrics.jsonl's end is read for the last records (one line is well under 4 KiB).
@@ -61,12 +57,6 @@ def progress_path(output_dir):
 def metrics_path(output_dir):
     """``<output_dir>/metrics.jsonl``."""
     return os.path.join(output_dir, "metrics.jsonl")
-
-
-def number(progress, key):
-    """``progress[key]`` when it is a number (not a bool), else None."""
-    value = (progress or {}).get(key)
-    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def acc_text(acc_k, shown=ACC_SHOWN):
@@ -115,15 +105,8 @@ def is_this_jobs(progress, job):
 
 
 def assess(progress, job, node_rank=0):
-    """What the progress file and the supervisor's record say together.
-
-    Returns ``(state, mine)``: ``state`` is ``starting`` (no progress of this job yet),
-    ``running``, ``done``, ``failed`` or ``stopped`` (the job said so), or ``dead`` (it ended
-    without saying so); ``mine`` is the progress when it belongs to this job, else None.
-    ``job`` None (no supervisor): the progress file alone decides, through its ``pid``.
-    """
-    if job is None:
-        return assess_without_supervisor(progress, None)
+    """What the progress file and the supervisor's record say together: ``(state, mine)`` as
+    ``Stage.assess`` returns it, on the node of ``node_rank``."""
     mine = progress if is_this_jobs(progress, job) else None
     said = mine.get("state") if mine is not None else None
     exit_code = job.get("exit_code")
@@ -138,67 +121,6 @@ def assess(progress, job, node_rank=0):
         return "done", progress
     # On a node of rank > 0, exit 0 is its share done: rank 0 writes the progress.
     return ("done" if exit_code == 0 and node_rank > 0 else "dead"), mine
-
-
-def read_status(progress_file, job_file=None, node_rank=0):
-    """One look: (progress or None, supervisor record or None, state, this job's progress or None).
-
-    With ``job_file`` the record must exist: the caller started the job under the supervisor.
-    """
-    progress = read_json(progress_file)
-    job = None
-    if job_file:
-        job = read_json(job_file)
-        if job is None:
-            raise ProgressError(
-                "no supervisor record %s: the training job was never started under that name and state "
-                "directory; start it (the eagle_training role does) before waiting for it" % job_file)
-    state, mine = assess(progress, job, node_rank)
-    return progress, job, state, mine
-
-
-def _exit_text(code):
-    meaning = EXIT_MEANINGS.get(code)
-    return describe_exit(code) + (" (%s)" % meaning if meaning else "")
-
-
-def dead_message(label, progress, job, job_name, log_file, log_lines=30):
-    """Why the training stopped without finishing: exit, last progress, the log's last lines."""
-    if job is None:
-        what = "the training job (PID %s)%s no longer runs but its progress says %s" % (
-            (progress or {}).get("pid"), label, (progress or {}).get("state"))
-    elif job.get("exit_code") is None:
-        what = (
-            "the training job %s%s (PID %s) no longer runs and its supervisor recorded no exit code: both were "
-            "killed (SIGKILL, the OOM killer, a reboot?)" % (job_name, label, job.get("pid")))
-    elif job.get("exit_code") == 0:
-        what = (
-            "the training job %s%s exited with code 0 but its progress file does not say done (%s): is the venv's "
-            "eagle3_pipeline the version this role expects?" % (
-                job_name, label, "no progress of this job" if progress is None else progress.get("state")))
-    else:
-        what = "the training job %s%s %s" % (job_name, label, _exit_text(job.get("exit_code")))
-    message = what
-    if progress is not None:
-        message += "; last progress: %s" % progress_line(progress)
-        if progress.get("message") and progress.get("state") not in ("failed", "stopped"):
-            message += " (%s)" % progress["message"]
-    message += ". Fix the cause and run the playbook again: the training resumes from its last checkpoint"
-    return message + ". Last lines of %s:\n%s" % (log_file, log_tail(log_file, log_lines))
-
-
-def failed_message(label, progress, job_name, log_file, log_lines=30):
-    """The job said it failed (or was stopped): its message, then the log's last lines."""
-    state = progress.get("state")
-    message = "the training%s %s at step %s/%s: %s" % (
-        label, "failed" if state == "failed" else "was stopped before it was done",
-        progress.get("step"), progress.get("limit_steps") or progress.get("total_steps"),
-        progress.get("message") or "(no message in the progress file)")
-    if job_name:
-        message += " (job %s)" % job_name
-    if state != "failed":
-        message += "; run the playbook again to resume from its last checkpoint"
-    return message + ". Last lines of %s:\n%s" % (log_file, log_tail(log_file, log_lines))
 
 
 def last_records(path, kinds=("train", "eval"), tail_bytes=METRICS_TAIL_BYTES):
@@ -230,3 +152,81 @@ def last_records(path, kinds=("train", "eval"), tail_bytes=METRICS_TAIL_BYTES):
         if isinstance(record, dict) and record.get("kind") in found and found[record["kind"]] is None:
             found[record["kind"]] = record
     return found
+
+
+class TrainingStage(Stage):
+    """A training on this node (``node_rank`` of ``nnodes``)."""
+
+    job = "training"
+    timeout_variable = "eagle_training_timeout"
+    exit_meanings = EXIT_MEANINGS
+    resume = "the training resumes from its last checkpoint"
+    continue_hint = "resume from its last checkpoint"
+
+    def __init__(self, params):
+        Stage.__init__(self, params)
+        self.node_rank, nnodes = params.get("node_rank", 0), params.get("nnodes", 1)
+        multi = nnodes > 1
+        self.line_prefix = self.message_prefix = "node %d/%d: " % (self.node_rank, nnodes) if multi else ""
+        self.label = " of node %d/%d" % (self.node_rank, nnodes) if multi else ""
+
+    @property
+    def role(self):
+        return "eagle_training"
+
+    def validate(self):
+        p = self.params
+        if p["nnodes"] < 1:
+            return "nnodes must be >= 1, got %d" % p["nnodes"]
+        if not 0 <= p["node_rank"] < p["nnodes"]:
+            return "node_rank must be in 0..%d (nnodes - 1), got %d" % (p["nnodes"] - 1, p["node_rank"])
+        return None
+
+    @property
+    def progress_file(self):
+        return progress_path(self.params["output_dir"])
+
+    def assess(self, progress, job):
+        return assess(progress, job, self.node_rank)
+
+    def progress_line(self, progress):
+        return progress_line(progress)
+
+    def subject(self, job_name):
+        return "the training job%s%s" % (" " + job_name if job_name else "", self.label)
+
+    def failed_subject(self):
+        return "the training%s" % self.label
+
+    def failed_at(self, progress):
+        return " at step %s/%s" % (progress.get("step"), progress.get("limit_steps") or progress.get("total_steps"))
+
+    def wait_subject(self):
+        return "the training"
+
+    def initial_fields(self):
+        return dict(last_train=None, last_eval=None)
+
+    def fields(self, mine, state):
+        mine = mine or {}
+        acc_k = mine.get("acc_k")
+        records = (last_records(metrics_path(self.params["output_dir"])) if state == "done"
+                   else dict(train=None, eval=None))
+        return dict(
+            step=number(mine, "step") or 0,
+            total_steps=number(mine, "total_steps") or 0,
+            limit_steps=number(mine, "limit_steps") or number(mine, "total_steps") or 0,
+            epoch=number(mine, "epoch"),
+            loss=number(mine, "loss"),
+            acc_k=acc_k if isinstance(acc_k, list) else [],
+            acceptance_length=number(mine, "acceptance_length"),
+            tokens_per_s=number(mine, "tokens_per_s"),
+            eta_s=number(mine, "eta_s"),
+            last_train=records["train"],
+            last_eval=records["eval"],
+        )
+
+    def summary(self, mine, state):
+        if not mine and state == "done":
+            return self.line_prefix + "share done (rank 0 reports the progress)"
+        return self.line_prefix + progress_line(mine or None)

@@ -307,7 +307,9 @@ def simplify_event(event: dict) -> dict | None:
     ``event`` name; ``kind`` is one of ``start`` (message: the playbook), ``play``, ``task``,
     ``ok``, ``changed``, ``skipped``, ``failed`` (``ignored``: true when the run goes on),
     ``unreachable``, ``retry``, ``progress`` (a line an action plugin prints at each poll of a
-    long stage: ``[host] step 40/200 ...``; ``host`` is parsed out), ``warning``, ``output``
+    long stage: ``[host] step 40/200 ...``, ``host`` parsed out; or a check on a command that runs
+    asynchronously: ``still running on the host ...``, ``task`` empty: the task started last runs
+    it), ``warning``, ``output``
     (other lines of Ansible's output) and ``recap`` (``stats``: per host, as ``HostStats``
     fields). ``message`` holds the debug message of an ok result (a role's summary, its lines
     joined) and the failure message of a failed one.
@@ -343,6 +345,12 @@ def simplify_event(event: dict) -> dict | None:
         simple.update(kind="unreachable", message=result_message(res))
     elif name == "runner_retry":
         simple.update(kind="retry", message=stdout)
+    elif name == "runner_on_async_poll":
+        # A long command running asynchronously on the host, checked on by the controller (once per poll).
+        # ansible-runner names the event after its async_status check, not after the task that runs the
+        # command (the task started last): no task name rather than that one.
+        simple.update(kind="progress", task="", message="still running on the host (asynchronous job %s)"
+                      % (data.get("jid") or res.get("ansible_job_id") or "?"))
     elif name in ("warning", "deprecated", "error"):
         simple.update(kind="warning", message=stdout)
     elif name == "verbose" and stdout:

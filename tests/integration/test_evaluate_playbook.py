@@ -39,7 +39,7 @@ def evaluation_vars(drafter_run: Path, out: Path, prompts: Path) -> dict:
     return {"evaluation_drafter_dir": str(drafter_run / "drafter"), "evaluation_training_dir": str(drafter_run),
             "evaluation_output_dir": str(out),
             "evaluation_prompts": str(prompts), "evaluation_num_prompts": 4, "evaluation_max_new_tokens": 16,
-            "evaluation_device": "cpu"}
+            "evaluation_device": "cpu", "evaluation_poll_s": 1}
 
 
 def _run(tmp_path_factory, extravars: dict, check: bool = False):
@@ -67,6 +67,9 @@ def test_check_mode_measures_nothing_then_a_run_measures_and_a_rerun_changes_not
 
     first = _run(tmp_path_factory, extravars)
     assert first.status == "successful", first.stdout.read()
+    # The measurement ran asynchronously: the controller polled it, no SSH call stayed open for its minutes.
+    assert [e for e in first.events if e.get("event") == "runner_on_async_ok"
+            and e["event_data"]["task"].startswith("Decode the held-out prompts with the drafter")]
     result = json.loads((out / "evaluation.json").read_text())
     assert result["outputs_match_target"] is True and result["prompts"] == 4
     assert result["reference_check"]["checked"] and result["reference_check"]["faults"] == 0

@@ -102,6 +102,7 @@ def extraction_vars(workdir: Path, num_samples: int) -> dict:
         "extraction_num_samples": num_samples,
         "extraction_concurrency": 4,
         "extraction_poll_s": 1,
+        "extraction_command_poll_s": 1,
         "extraction_timeout_s": 600,
     }
 
@@ -163,6 +164,11 @@ def test_check_mode_starts_nothing_then_a_run_extracts_and_a_rerun_changes_nothi
 
     assert first.status == "successful", first.stdout
     assert "[localhost] part 0/1: 24/24 samples, 0 skipped, 0 failed" in first.stdout, "no progress line"
+    assert "FAILED - RETRYING" not in first.stdout, "the wait is one task, not retries"
+    # The merge and the (deep) verify ran asynchronously: the controller polled them, no SSH call stayed open.
+    polled = {e["event_data"]["task"] for e in first.events if e.get("event") == "runner_on_async_ok"}
+    assert {"Merge the parts' manifests into data_config.json (unchanged parts rewrite nothing)",
+            "Verify every file against the manifest"} <= polled, polled
     manifest = json.loads((data / "data_config.json").read_text())
     config = json.loads((tiny_model / "config.json").read_text())
     assert manifest["num_samples"] == 24 and manifest["parts"] == 1

@@ -72,7 +72,8 @@ def test_check_then_a_run_with_its_own_serving_server_then_a_rerun_that_starts_n
         "regeneration_dataset": str(tmp_path / "dataset" / "train.jsonl"), "regeneration_build_demo_dataset": True,
         "regeneration_output_dir": str(out), "regeneration_state_dir": str(tmp_path / "jobs"),
         "regeneration_num_samples": NUM_SAMPLES, "regeneration_max_new_tokens": 24,
-        "regeneration_server_port": free_port(), "regeneration_poll_s": 1, "regeneration_timeout_s": 600,
+        "regeneration_server_port": free_port(), "regeneration_poll_s": 1, "regeneration_command_poll_s": 1,
+        "regeneration_timeout_s": 600,
     }
 
     def run(check: bool = False) -> Run:

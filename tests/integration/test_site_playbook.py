@@ -41,7 +41,8 @@ def local_inventory(tmp_path: Path, dataset: Path, **extra) -> Path:
         "sglang_server_port": free_port(), "sglang_server_device": "cpu",
         "sglang_server_gpu_reset_after_stop": False,
         "extraction_dataset": str(dataset), "extraction_output_dir": str(work / "data"),
-        "extraction_state_dir": str(work / "jobs"), "extraction_poll_s": 1, "extraction_timeout_s": 300,
+        "extraction_state_dir": str(work / "jobs"), "extraction_poll_s": 1, "extraction_command_poll_s": 1,
+        "extraction_timeout_s": 300, "evaluation_poll_s": 1,
         "eagle_training_output_dir": str(work / "training"), "eagle_training_state_dir": str(work / "jobs"),
         **extra,
     }

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from ansible.module_utils.extraction_progress import dead_message, failed_message, progress_line
+from ansible.module_utils.extraction_progress import PartStage, progress_line
 
 from eagle3_pipeline.extract.store import StoreError, claim_settings
 from eagle3_pipeline.extract.template import load_renderer
@@ -279,10 +279,12 @@ def test_the_regeneration_progress_line_counts_conversations_and_turns():
     extraction = {k: v for k, v in progress.items() if k not in ("unit", "turns")}
     assert progress_line(extraction).startswith("12/400 samples, 1 skipped, 0 failed, 1,234 tokens/s")
     failed = {**progress, "state": "failed", "message": "the server went away"}
-    assert failed_message("0/1", failed, "job", "/nonexistent.log", 1, "regeneration").startswith(
+    part = PartStage({"output_dir": "/nonexistent", "stage": "regeneration", "part_index": 0, "part_count": 1})
+    assert part.failed_message(failed, "job", "/nonexistent.log", 1).startswith(
         "regeneration part 0/1 failed: the server went away")
-    assert dead_message("0/1", progress, {"pid": 7, "exit_code": 3}, "job", "/nonexistent.log", 1,
-                        "regeneration").startswith("the regeneration job job of part 0/1 exited with code 3")
+    assert part.dead_message(progress, {"pid": 7, "exit_code": 3}, "job", "/nonexistent.log", 1).startswith(
+        "the regeneration job job of part 0/1 exited with code 3")
+    assert "raise the timeout (regeneration_timeout_s)" in part.timeout_message(progress, {"pid": 7}, 60)
 
 
 def test_a_part_written_from_the_journal_is_byte_equal_to_one_written_fresh():

@@ -1,8 +1,9 @@
-"""module_utils/sglang_http over real HTTP: readiness, live-settings comparison, probe checks.
+"""module_utils/sglang_http and the sglang_server_info module over real HTTP: readiness, live settings, probe.
 
 The server here is a small stdlib HTTP server whose behaviour each test sets (a healthy
-engine, one that forgot the capture, one that served from cache); the reference engine itself
-is exercised through the role in the Molecule scenario.
+engine, one still loading, one that forgot the capture, one that served from cache); the
+reference engine itself is exercised through the role in the Molecule scenario. The module runs
+in-process, one call at a time, as its action plugin calls it (the loop itself: tests/integration).
 """
 
 from __future__ import annotations
@@ -14,14 +15,18 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import sglang_server_info as module
 import torch
 from ansible.module_utils.sglang_http import (
     ServerError,
+    last_log_line,
     probe,
     safetensors_shapes,
     server_info_mismatches,
+    wait_health,
     wait_ready,
 )
+from module_runs import POLL_S, run_module
 
 from eagle3_pipeline.capture.writer import write_capture, write_incomplete
 
@@ -35,6 +40,7 @@ class Engine:
         self.capture_dir = capture_dir
         self.mode = "good"
         self.cached = 0
+        self.healthy = True
 
 
 @pytest.fixture
@@ -55,7 +61,7 @@ def server(tmp_path):
 
         def do_GET(self):
             if self.path == "/health":
-                self.reply(200, {})
+                self.reply(200, {}) if engine.healthy else self.reply(503, {"error": "loading"})
             elif self.path == "/server_info":
                 self.reply(200, {"disable_radix_cache": True, "chunked_prefill_size": 8192})
             else:
@@ -139,3 +145,107 @@ def test_wait_ready_times_out_naming_the_variable(tmp_path):
 def test_safetensors_shapes_reads_the_header_only(tmp_path):
     path = write_capture(tmp_path, "r1", torch.ones(3, 16), torch.ones(3, 8), AUX, "t")
     assert safetensors_shapes(path) == {"aux_hidden_states": [3, 16], "last_hidden_states": [3, 8]}
+
+
+def test_wait_health_returns_not_ready_after_wait_s_with_the_last_answer(server):
+    engine, url = server
+    engine.healthy = False
+
+    ready, seconds, last = wait_health(url, 0.3, poll_s=0.05)
+
+    assert ready is False and 0.3 <= seconds < 0.3 + POLL_S
+    assert last.startswith("HTTP 503")
+    engine.healthy = True
+    assert wait_health(url, 30)[0] is True
+
+
+def test_last_log_line_is_the_last_line_written_cut_to_its_width(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("start\nLoading safetensors checkpoint shards:  50% | 1/2\rLoading safetensors checkpoint "
+                   "shards: 100% | 2/2\n\n" + "")
+    assert last_log_line(str(log)) == "Loading safetensors checkpoint shards: 100% | 2/2"
+    log.write_text("x" * 500 + "\n")
+    assert len(last_log_line(str(log))) == 160
+    assert last_log_line(str(tmp_path / "none.log")) == "" and last_log_line(None) == ""
+
+
+def test_the_module_reports_a_loading_server_as_not_finished_with_the_logs_last_line(server, tmp_path, capsys):
+    engine, url = server
+    engine.healthy = False
+    log = tmp_path / "server.log"
+    log.write_text("Loading weights\nLoading safetensors checkpoint shards: 3/64\n")
+
+    code, result = run_module(module, {"url": url, "wait_s": 0.3, "poll_s": 0.05, "waited_s": 40,
+                                       "log_file": str(log), "ready_timeout_s": 1800}, capsys)
+
+    assert code == 0, result
+    assert result["finished"] is False and result["ready"] is False
+    assert 40.3 <= result["waited_s"] < 40.3 + POLL_S
+    assert result["msg"] == ("waiting for the server at %s, 40 s of at most 1800 (last answer HTTP 503: "
+                             "{'error': 'loading'}); log: Loading safetensors checkpoint shards: 3/64" % url)
+
+
+def test_the_module_verifies_a_ready_server_counting_the_earlier_calls_wait(server, capsys):
+    _, url = server
+
+    code, result = run_module(module, {"url": url + "/", "waited_s": 12.5, "expect": {"disable_radix_cache": True}},
+                              capsys)
+
+    assert code == 0, result
+    assert result["finished"] is True and result["ready"] is True
+    assert 12.5 <= result["seconds_to_ready"] < 12.5 + POLL_S
+    assert result["server_info"]["chunked_prefill_size"] == 8192
+    assert result["msg"].startswith("the server at %s answered after 12.5" % url)
+    assert result["msg"].endswith("; live settings verified: disable_radix_cache")
+
+
+def test_the_module_fails_on_live_settings_that_differ(server, capsys):
+    _, url = server
+
+    code, result = run_module(module, {"url": url, "expect": {"chunked_prefill_size": -1}}, capsys)
+
+    assert code == 1 and "chunked_prefill_size: wanted -1, found 8192" in result["msg"]
+    assert result["ready"] is True and result["finished"] is False
+
+
+def test_the_module_fails_once_the_earlier_calls_used_up_the_ready_timeout(server, tmp_path, capsys):
+    engine, url = server
+    engine.healthy = False
+    log = tmp_path / "server.log"
+    log.write_text("Loading weights\n")
+
+    code, result = run_module(module, {"url": url, "wait_s": 30, "waited_s": 600, "ready_timeout_s": 600,
+                                       "log_file": str(log)}, capsys)
+
+    assert code == 1 and result["waited_s"] < 600 + POLL_S, "no time was left: the first look is the last"
+    assert "/health did not answer 200 within 600 s (last: HTTP 503" in result["msg"]
+    assert "sglang_server_ready_timeout_s" in result["msg"] and "Loading weights" in result["msg"]
+
+
+def test_the_module_fails_at_once_when_the_server_process_died(tmp_path, capsys):
+    log = tmp_path / "server.log"
+    log.write_text("loading\nRuntimeError: CUDA out of memory\n")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+
+    code, result = run_module(module, {"url": "http://127.0.0.1:9", "wait_s": 30, "pid": dead.pid,
+                                       "log_file": str(log)}, capsys)
+
+    assert code == 1 and result["waited_s"] < POLL_S
+    assert "exited before it was ready" in result["msg"] and "CUDA out of memory" in result["msg"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"wait_s": -1}, "wait_s must be between 0 and 3600"),
+        ({"poll_s": 0}, "poll_s must be > 0"),
+        ({"waited_s": -1}, "waited_s must be >= 0"),
+        ({"ready_timeout_s": -1}, "ready_timeout_s must be >= 0"),
+        ({"probe_input_ids": [1, 2], "num_aux": 3}, "probe_input_ids needs capture_dir, hidden_size"),
+    ],
+)
+def test_the_module_refuses_bad_options_naming_them(capsys, args, message):
+    code, result = run_module(module, {"url": "http://127.0.0.1:9", **args}, capsys)
+
+    assert code == 1 and message in result["msg"]

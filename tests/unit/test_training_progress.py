@@ -1,17 +1,18 @@
-"""training_progress: the progress line, and running / done / failed / stopped / dead told apart on real jobs.
+"""training_progress's own parts: the progress line, rank 0 under torchrun, the nodes, the metrics.
 
-The jobs are real processes started by the real supervisor (``eagle3-pipeline supervise``),
+The jobs are real processes started by the real supervisor (tests/unit/supervised_jobs.py),
 standing in for ``eagle3-pipeline train``: each writes ``<output_dir>/progress.json`` as the
 contract says, prints a line to its log, then sleeps or exits with a given code. One stands in
 for a torchrun launch: its rank 0 (a child process, another PID) writes the progress. The module
-itself runs in-process through ansible-core's test helper.
+itself runs in-process through ansible-core's test helper. What it shares with
+extraction_progress (finished / failed / stopped / dead told apart, the wait, the timeout) is
+tested for every stage in test_job_progress.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,118 +21,33 @@ from pathlib import Path
 import pytest
 import training_progress as module
 from ansible.module_utils.training_progress import (
-    ProgressError,
     acc_text,
     assess,
     last_records,
     progress_line,
     progress_path,
-    read_status,
 )
 from module_runs import POLL_S, WAIT_S, run_module
-from process_checks import wait_for
-
-SUPERVISE = [sys.executable, "-m", "eagle3_pipeline.cli", "supervise"]
-
-# A stand-in for the training job: progress file (written by itself, or by a child as torchrun's
-# rank 0 would), a log line, then sleep or exit.
-JOB = (
-    "import json, os, subprocess, sys, time\n"
-    "path, state, then, writer = sys.argv[1:5]\n"
-    "WRITE = '''\n"
-    "import json, os, sys, time\n"
-    "path, state = sys.argv[1], sys.argv[2]\n"
-    "progress = {'state': state, 'step': 40, 'total_steps': 200, 'epoch': 1, 'loss': 3.2149,\n"
-    "            'acc_k': [0.412, 0.3, 0.2249, 0.1, 0.05], 'acceptance_length': 1.93, 'tokens_per_s': 1234.4,\n"
-    "            'elapsed_s': 31.0, 'eta_s': 130.0, 'pid': os.getpid(), 'updated': time.time(),\n"
-    "            'message': {'failed': 'loss is NaN at step 40',\n"
-    "                        'stopped': 'SIGTERM: checkpoint at step 40'}.get(state, '')}\n"
-    "os.makedirs(os.path.dirname(path), exist_ok=True)\n"
-    "with open(path + '.tmp', 'w') as handle:\n"
-    "    json.dump(progress, handle)\n"
-    "os.replace(path + '.tmp', path)\n"
-    "'''\n"
-    "if writer == 'self':\n"
-    "    sys.argv = [sys.argv[0], path, state]\n"
-    "    exec(WRITE)\n"
-    "else:\n"
-    "    subprocess.run([sys.executable, '-c', WRITE, path, state], check=True)\n"
-    "print('job: wrote ' + state, flush=True)\n"
-    "if then == 'sleep':\n"
-    "    time.sleep(300)\n"
-    "sys.exit(int(then))\n"
-)
+from supervised_jobs import Jobs
 
 RUNNING = {
     "state": "running", "step": 40, "total_steps": 200, "epoch": 1, "loss": 3.2149,
     "acc_k": [0.412, 0.3, 0.2249, 0.1, 0.05], "acceptance_length": 1.93, "tokens_per_s": 1234.4,
     "elapsed_s": 31.0, "eta_s": 130.0, "message": "", "pid": 1, "updated": 0.0,
 }  # fmt: skip
+WRITTEN = {key: value for key, value in RUNNING.items() if key not in ("pid", "updated")}
 LINE = "step 40/200 (epoch 1), loss 3.21, acc 0.41/0.30/0.22\u2026, accept len 1.9, 1,234 tok/s"
 
 
-class Jobs:
-    """Jobs started under the real supervisor in one state directory; all stopped at the end."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.state_dir = root / "state"
-        self.output_dir = root / "drafter-run"
-        self.names: list[str] = []
-
-    def supervise(self, name: str, *args: str) -> dict:
-        done = subprocess.run(
-            [*SUPERVISE, "--name", name, "--state-dir", str(self.state_dir), *args],
-            capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout)
-
-    def start(self, state: str, then: str, name: str = "job", writer: str = "self") -> dict:
-        """Start a stand-in job; return once its progress file is written (after the job started)."""
-        self.names.append(name)
-        record = self.supervise(
-            name, "--log-file", str(self.log(name)), "start", "--",
-            sys.executable, "-c", JOB, str(self.progress_file), state, then, writer,
-        )  # fmt: skip
-
-        def written():
-            if not self.progress_file.exists():
-                return False
-            progress = json.loads(self.progress_file.read_text())
-            return progress["pid"] == record["pid"] or progress["updated"] >= self.record(name)["started_at"]
-
-        wait_for(written, 20, "the job's progress file")
-        return record
-
-    def record(self, name: str = "job") -> dict:
-        return json.loads((self.state_dir / f"{name}.json").read_text())
-
-    def wait_ended(self, name: str = "job") -> dict:
-        """Wait until the supervisor recorded the job's exit; return the record."""
-        wait_for(lambda: self.record(name).get("exit_code") is not None, 20, "the supervisor to record the exit")
-        return self.record(name)
-
-    def log(self, name: str = "job") -> Path:
-        return self.state_dir / f"{name}.log"
-
-    @property
-    def progress_file(self) -> Path:
-        return Path(progress_path(str(self.output_dir)))
-
-    def args(self, name: str = "job", **extra) -> dict:
-        return {"output_dir": str(self.output_dir), "state_dir": str(self.state_dir), "name": name, "wait_s": 0,
-                **extra}
-
-    def stop_all(self) -> None:
-        for name in self.names:
-            subprocess.run([*SUPERVISE, "--name", name, "--state-dir", str(self.state_dir), "--grace-s", "1", "stop"],
-                           capture_output=True, timeout=60, check=False)
+def said(state: str) -> dict:
+    """The document a stand-in job writes, in ``state``."""
+    return {**WRITTEN, "state": state}
 
 
 @pytest.fixture
 def jobs(tmp_path):
-    started = Jobs(tmp_path)
+    out = tmp_path / "drafter-run"
+    started = Jobs(tmp_path, out, Path(progress_path(str(out))))
     yield started
     started.stop_all()
 
@@ -152,7 +68,7 @@ def test_the_progress_line_reads_as_the_operator_needs_it():
 
 
 def test_a_running_job_is_running_and_not_finished(jobs, capsys):
-    record = jobs.start("running", "sleep")
+    record = jobs.start(said("running"), "sleep")
 
     code, result = run_module(module, jobs.args(), capsys)
 
@@ -165,7 +81,7 @@ def test_a_running_job_is_running_and_not_finished(jobs, capsys):
 
 
 def test_rank_0_under_torchrun_writes_with_another_pid_and_still_counts(jobs, capsys):
-    record = jobs.start("running", "sleep", writer="child")
+    record = jobs.start(said("running"), "sleep", writer="child")
     assert json.loads(jobs.progress_file.read_text())["pid"] != record["pid"]
 
     code, result = run_module(module, jobs.args(), capsys)
@@ -180,7 +96,7 @@ def test_a_job_that_reported_done_and_exited_0_is_done_with_its_last_metrics(job
     records.append({"kind": "eval", "step": 40, "loss": 3.9, "acc_k": [0.3, 0.2], "acceptance_length": 1.4,
                     "samples": 4})
     (jobs.output_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    jobs.start("done", "0")
+    jobs.start(said("done"), "0")
     jobs.wait_ended()
 
     code, result = run_module(module, jobs.args(wait_s=WAIT_S, poll_s=POLL_S), capsys)
@@ -191,30 +107,8 @@ def test_a_job_that_reported_done_and_exited_0_is_done_with_its_last_metrics(job
     assert result["last_train"]["step"] == 40 and result["last_eval"]["samples"] == 4
 
 
-def test_a_job_that_reported_failed_is_failed_with_its_message_and_log(jobs, capsys):
-    jobs.start("failed", "1")
-    jobs.wait_ended()
-
-    code, result = run_module(module, jobs.args(), capsys)
-
-    assert code == 1 and result["failed"] is True and result["state"] == "failed"
-    assert "the training failed at step 40/200: loss is NaN at step 40 (job job)" in result["msg"]
-    assert "job: wrote failed" in result["msg"], "the log's last lines are missing"
-
-
-def test_a_job_stopped_on_request_fails_saying_a_rerun_resumes(jobs, capsys):
-    jobs.start("stopped", "4")
-    jobs.wait_ended()
-
-    code, result = run_module(module, jobs.args(), capsys)
-
-    assert code == 1 and result["state"] == "stopped" and result["finished"] is False
-    assert "the training was stopped before it was done at step 40/200: SIGTERM: checkpoint at step 40" in result["msg"]
-    assert "run the playbook again to resume from its last checkpoint" in result["msg"]
-
-
 def test_a_job_that_crashed_while_running_is_dead_at_once_with_its_log(jobs, capsys):
-    jobs.start("running", "1")
+    jobs.start(said("running"), "1")
     assert jobs.wait_ended()["exit_code"] == 1
 
     code, result = run_module(module, jobs.args(wait_s=WAIT_S, poll_s=POLL_S), capsys)
@@ -227,57 +121,15 @@ def test_a_job_that_crashed_while_running_is_dead_at_once_with_its_log(jobs, cap
     assert result["job"]["exit_code"] == 1
 
 
-def test_a_job_killed_alone_is_dead_naming_the_signal(jobs, capsys):
-    record = jobs.start("running", "sleep")
-
-    os.kill(record["pid"], signal.SIGKILL)
-    assert jobs.wait_ended()["exit_code"] == -9
-
-    code, result = run_module(module, jobs.args(), capsys)
-    assert code == 1 and result["state"] == "dead"
-    assert "the training job job was killed by SIGKILL" in result["msg"]
-
-
-def test_a_job_killed_with_its_supervisor_is_dead_although_no_exit_was_recorded(jobs, capsys):
-    record = jobs.start("running", "sleep")
-
-    os.killpg(record["pgid"], signal.SIGKILL)
-    wait_for(lambda: read_status(str(jobs.progress_file), str(jobs.state_dir / "job.json"))[2] == "dead", 20,
-             "the kill")
-
-    code, result = run_module(module, jobs.args(), capsys)
-    assert jobs.record()["exit_code"] is None
-    assert code == 1 and result["state"] == "dead"
-    assert "no longer runs and its supervisor recorded no exit code" in result["msg"]
-
-
-def test_a_previous_runs_progress_is_not_taken_for_the_new_jobs(jobs, capsys):
-    jobs.output_dir.mkdir()
-    jobs.progress_file.write_text(json.dumps({**RUNNING, "state": "done", "pid": 1, "updated": time.time() - 60}))
-    jobs.names.append("job")
-    record = jobs.supervise("job", "--log-file", str(jobs.log()), "start", "--", sys.executable, "-c",
-                            "import time; time.sleep(300)")
-
-    code, result = run_module(module, jobs.args(wait_s=0.3), capsys)
-
-    assert code == 0, result
-    assert result["finished"] is False and result["state"] == "starting"
-    assert result["progress"] is None and result["job"]["pid"] == record["pid"]
-    assert result["msg"] == "waiting for the job's first progress report"
-
-
 def test_on_a_node_of_rank_above_0_exit_0_is_done_and_messages_name_the_node(jobs, capsys):
-    jobs.names.append("node1")
-    jobs.supervise("node1", "--log-file", str(jobs.log("node1")), "start", "--", sys.executable, "-c", "pass")
+    jobs.run("node1", sys.executable, "-c", "pass")
     jobs.wait_ended("node1")
 
     code, result = run_module(module, jobs.args("node1", node_rank=1, nnodes=2), capsys)
     assert code == 0 and result["finished"] is True, result
     assert result["msg"] == "node 1/2: share done (rank 0 reports the progress)"
 
-    jobs.names.append("crashed")
-    jobs.supervise("crashed", "--log-file", str(jobs.log("crashed")), "start", "--", sys.executable, "-c",
-                   "import sys; sys.exit(2)")
+    jobs.run("crashed", sys.executable, "-c", "import sys; sys.exit(2)")
     jobs.wait_ended("crashed")
     code, result = run_module(module, jobs.args("crashed", node_rank=1, nnodes=2), capsys)
     assert code == 1 and result["state"] == "dead"
@@ -287,8 +139,7 @@ def test_on_a_node_of_rank_above_0_exit_0_is_done_and_messages_name_the_node(job
 def test_a_job_that_exits_0_finding_the_export_done_is_done_on_the_previous_runs_progress(jobs, capsys):
     jobs.output_dir.mkdir()
     jobs.progress_file.write_text(json.dumps({**RUNNING, "state": "done", "pid": 1, "updated": time.time() - 60}))
-    jobs.names.append("job")
-    jobs.supervise("job", "--log-file", str(jobs.log()), "start", "--", sys.executable, "-c", "print('already done')")
+    jobs.run("job", sys.executable, "-c", "print('already done')")
     jobs.wait_ended()
 
     code, result = run_module(module, jobs.args(), capsys)
@@ -297,8 +148,7 @@ def test_a_job_that_exits_0_finding_the_export_done_is_done_on_the_previous_runs
 
 
 def test_a_job_that_exits_0_without_any_done_progress_is_dead_asking_for_the_version(jobs, capsys):
-    jobs.names.append("job")
-    jobs.supervise("job", "--log-file", str(jobs.log()), "start", "--", sys.executable, "-c", "pass")
+    jobs.run("job", sys.executable, "-c", "pass")
     jobs.wait_ended()
 
     code, result = run_module(module, jobs.args(), capsys)
@@ -315,16 +165,6 @@ def test_a_done_progress_on_node_0_wins_over_a_still_running_process():
     assert assess(done, job, node_rank=1)[0] == "running", "a node's own process must end first"
 
 
-def test_the_deadline_fails_the_wait_and_says_the_job_keeps_running(jobs, capsys):
-    record = jobs.start("running", "sleep")
-
-    code, result = run_module(module, jobs.args(wait_s=WAIT_S, deadline=time.time() + 0.3), capsys)
-
-    assert code == 1 and result["seconds"] < WAIT_S, "the deadline, not wait_s, ended the wait"
-    assert f"the job (PID {record['pid']}) keeps running, at step 40/200" in result["msg"]
-    assert "eagle_training_timeout" in result["msg"]
-
-
 def test_a_read_only_look_without_a_supervisor_reads_a_finished_training(tmp_path, capsys):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
@@ -334,11 +174,6 @@ def test_a_read_only_look_without_a_supervisor_reads_a_finished_training(tmp_pat
 
     assert code == 0 and result["finished"] is True and result["job"] is None
     assert result["last_train"] is None and result["last_eval"] is None, "no metrics.jsonl: no records"
-
-
-def test_waiting_for_a_job_that_was_never_started_fails_naming_the_record(tmp_path):
-    with pytest.raises(ProgressError, match=r"no supervisor record .*never\.json.*the training job"):
-        read_status(str(tmp_path / "progress.json"), str(tmp_path / "never.json"))
 
 
 def test_last_records_reads_only_the_tail_and_skips_a_cut_line(tmp_path):
@@ -359,12 +194,9 @@ def test_last_records_reads_only_the_tail_and_skips_a_cut_line(tmp_path):
     [
         ({"node_rank": 2, "nnodes": 2}, "node_rank must be in 0..1"),
         ({"nnodes": 0}, "nnodes must be >= 1"),
-        ({"wait_s": -1}, "wait_s must be between 0 and 3600"),
-        ({"poll_s": 0}, "poll_s must be > 0"),
-        ({"state_dir": "/tmp"}, "parameters are required together: state_dir, name"),
     ],
 )
-def test_bad_options_fail_naming_the_option(tmp_path, capsys, args, message):
+def test_bad_node_options_fail_naming_the_option(tmp_path, capsys, args, message):
     code, result = run_module(module, {"output_dir": str(tmp_path), **args}, capsys)
 
     assert code == 1 and message in result["msg"]
