@@ -1,8 +1,9 @@
 """What a host installs, and the wheelhouse that carries it to hosts without a package registry.
 
 A host gets this package with the extras of its engine (``reference``: torch and transformers;
-``sglang``: SGLang, which brings its own torch) and ``train`` (charts, TensorBoard), plus ``gguf``
-when its model comes as a GGUF file. The lists live once, as the package's extras in pyproject.toml;
+``sglang``: SGLang, which brings its own torch), ``train`` (charts, TensorBoard) and ``gpu``
+(nvidia-ml-py, which the GPU modules of gpu_reset use from this venv), plus ``gguf`` when its model
+comes as a GGUF file. The lists live once, as the package's extras in pyproject.toml;
 the role ``eagle3`` installs ``<this wheel>[extras]`` and pip resolves the rest.
 
 ``eagle3-pipeline wheelhouse --engine reference DIR`` downloads every distribution those extras need
@@ -37,10 +38,10 @@ WHEEL_NAME = re.compile(r"^eagle3_pipeline-[^-]+-py3-none-any\.whl$")
 
 
 def host_extras(engine: str, gguf: bool = False) -> list[str]:
-    """The package's extras a host with ``engine`` installs."""
+    """The package's extras a host with ``engine`` installs (``gpu``: nvidia-ml-py for the GPU modules)."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}: expected one of {', '.join(ENGINES)}")
-    return [engine, "train"] + (["gguf"] if gguf else [])
+    return [engine, "train", "gpu"] + (["gguf"] if gguf else [])
 
 
 # What goes into the wheel: the package, its metadata and the readme pyproject.toml names.

@@ -104,8 +104,8 @@ def test_the_download_is_for_the_hosts_python_and_platform(tmp_path):
 
 
 def test_the_extras_name_the_engine_and_refuse_an_unknown_one():
-    assert wheelhouse.host_extras("reference") == ["reference", "train"]
-    assert wheelhouse.host_extras("sglang", gguf=True) == ["sglang", "train", "gguf"]
+    assert wheelhouse.host_extras("reference") == ["reference", "train", "gpu"]
+    assert wheelhouse.host_extras("sglang", gguf=True) == ["sglang", "train", "gpu", "gguf"]
     with pytest.raises(ValueError, match="unknown engine 'vllm': expected one of reference, sglang"):
         wheelhouse.host_extras("vllm")
 
