@@ -65,8 +65,10 @@ remote-host-tools:
 	@command -v mmdebstrap >/dev/null && command -v systemd-nspawn >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q mmdebstrap systemd-container; }
 
+# Three workers on two cores: most tests wait on servers, playbooks and subprocesses, not on the CPU.
+# A test module stays in one worker (--dist loadfile), with its module-scoped fixtures.
 pytest: venv chromium
-	$(BIN)/pytest tests --ignore=tests/gpu --ignore=tests/sglang
+	$(BIN)/pytest tests --ignore=tests/gpu --ignore=tests/sglang -n 3 --dist loadfile
 
 test-sglang: venv-sglang
 	.venv-sglang/bin/python -m pytest tests/sglang

@@ -194,40 +194,6 @@ def test_check_mode_starts_nothing_then_a_run_extracts_and_a_rerun_changes_nothi
     assert after == before, "a rerun over a complete dataset touched files"
 
 
-def test_two_hosts_each_extract_their_share_into_one_shared_directory(workdir, start_server, tmp_path_factory):
-    ports = {"node-a": start_server("a"), "node-b": start_server("b")}
-    inventory = workdir / "inventory.yml"
-    inventory.write_text(yaml.safe_dump({"all": {"children": {"gpu_hosts": {
-        "hosts": {
-            name: {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
-                   "sglang_server_port": port, "sglang_server_venv": str(Path(sys.executable).parents[1])}
-            for name, port in ports.items()
-        },
-        "vars": extraction_vars(workdir, 24),
-    }}}}))
-    data = workdir / "data"
-
-    run = run_playbook(tmp_path_factory, inventory, {})
-
-    assert run.status == "successful", run.stdout
-    for index, host in enumerate(ports):
-        part = json.loads((data / "parts" / f"part-{index}-of-2.json").read_text())
-        ordinals = [sample["ordinal"] for sample in part["samples"]]
-        assert ordinals == list(range(index, 24, 2)), f"{host} did not take its share"
-        assert f"[{host}] part {index}/2: 12/12 samples, 0 skipped, 0 failed" in run.stdout
-        assert (workdir / "jobs" / f"eagle3-extract-part-{index}-of-2.json").is_file()
-    manifest = json.loads((data / "data_config.json").read_text())
-    assert manifest["parts"] == 2 and manifest["num_samples"] == 24
-    entries = [entry for shard in manifest["shards"].values() for entry in shard["files"]]
-    assert len({entry["file"] for entry in entries}) == 24
-    assert sorted(data / entry["file"] for entry in entries) == sample_files(data)
-    summary = "\n".join(run.summary())
-    assert "node-a: part 0/2: 12/12 samples" in summary and "node-b: part 1/2: 12/12 samples" in summary
-    merges = [e for e in run.events if e.get("event") == "runner_on_ok"
-              and e["event_data"]["task"].startswith("Merge the parts' manifests")]
-    assert len(merges) == 1, "the merge must run once, not once per host"
-
-
 def test_hosts_that_do_not_share_the_output_directory_fail_before_extracting(workdir, tmp_path_factory):
     inventory = workdir / "inventory.yml"
     hosts = {}
