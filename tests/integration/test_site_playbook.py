@@ -1,8 +1,9 @@
 """playbooks/site.yml when the extraction fails: the play fails naming the cause, the capture
 server it started is stopped anyway (block/always), and nothing after the extraction runs.
 
-The whole pipeline's success path (converge, idempotence, verify) is the Molecule ``default``
-scenario; this test covers the failure path, through ansible-runner as the Python API runs it.
+The whole pipeline's success path (check on fresh hosts, converge, idempotence, verify) is the
+Molecule ``remote`` scenario, over SSH on two booted hosts; these tests cover the failure paths
+on localhost, through ansible-runner as the Python API runs it.
 """
 
 from __future__ import annotations
