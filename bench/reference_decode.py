@@ -1,17 +1,20 @@
-"""Benchmark: the reference engine's decode tokens/s at batch 1 and batch 32 (greedy, on the CPU by default).
+"""Benchmark: the reference engine's decode tokens/s, over the slot cache against transformers' cache, side by side.
 
 The engine's model side (``ModelRunner.run_batch``) decodes greedily for each of ``--batches``
-prompts of 16..80 token ids, ``ignore_eos`` so that every request runs its whole budget, in two
-workloads: ``same``, every request ``--new-tokens`` tokens; ``mixed``, budgets spread over
-1/8..1 of that (as answers that end at different lengths, where finished rows cost nothing
-any more). It reports generated tokens per second over the whole call (prefill included, as a
-client sees it), the median of ``--rounds`` rounds after one warm-up round. No HTTP: this
-measures the decode loop, which is what regeneration spends its time in.
+prompts (``--prompt-tokens LO,HI`` token ids, deterministic), ``ignore_eos`` so that every request
+runs its whole budget, in two workloads: ``same``, every request ``--new-tokens`` tokens; ``mixed``,
+budgets spread over 1/8..1 of that (answers that end at different lengths). Each batch runs once per
+decode path of ``--decode`` (``both``: the slot cache, ``engine/slots.py``, and transformers'
+``DynamicCache``, the same runner and the same jobs) and reports generated tokens per second over the
+whole call (prefill included, as a client sees it), the median of ``--rounds`` rounds after one
+warm-up round (which also captures the CUDA graphs), and the ratio slots / transformers. No HTTP:
+this measures the decode loop, which is what regeneration spends its time in.
 
-    .venv/bin/python bench/reference_decode.py            # the tiny model in .cache/, CPU
-    .venv/bin/python bench/reference_decode.py --device cuda --model-path DIR
+    .venv/bin/python bench/reference_decode.py --threads 1          # the tiny model in .cache/, CPU
+    python3 bench/reference_decode.py --device cuda --dtype bfloat16 --random-shape smollm2 \
+        --batches 1,64,512 --prompt-tokens 200,1200 --new-tokens 256 --rounds 1
 
-Measured figures: docs/regeneration.md ("Measured").
+Measured figures: docs/regeneration.md ("Measured") and docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -26,24 +29,44 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def prompts(count: int, vocab_size: int) -> list[list[int]]:
-    """``count`` prompts of 16..80 token ids (deterministic), all different lengths where possible."""
+def prompts(count: int, vocab_size: int, low: int = 16, high: int = 80) -> list[list[int]]:
+    """``count`` prompts of ``low``..``high`` token ids (deterministic), different lengths where possible."""
     out = []
     for i in range(count):
-        length = 16 + (i * 37) % 65
+        length = low + (i * 37) % (high - low + 1)
         out.append([(7 + 131 * (i + j)) % (vocab_size - 8) + 8 for j in range(length)])
     return out
 
 
+def random_model(shape: str, path: Path) -> Path:
+    """A Llama of a known shape with random weights, built once under ``path`` (bf16, tied embeddings)."""
+    import torch  # noqa: PLC0415
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+
+    shapes = {"smollm2": {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+                          "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152,
+                          "max_position_embeddings": 8192, "tie_word_embeddings": True}}
+    target = path / f"random-{shape}"
+    if not (target / "config.json").is_file():
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**shapes[shape])).to(torch.bfloat16).save_pretrained(target)
+    return target
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Print one line per batch size and the result as JSON."""
+    """Print one line per batch, workload and decode path, and the result as JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", type=Path, default=ROOT / ".cache" / "models" / "tiny-llama")
+    parser.add_argument("--random-shape", choices=["smollm2"], help="a random-weight model of this shape instead")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
+    parser.add_argument("--prompt-tokens", default="16,80", help="LO,HI: prompt lengths")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--decode", choices=["both", "slots", "transformers"], default="both")
+    parser.add_argument("--slot-tokens", type=int, default=4096)
+    parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch CPU threads (0: torch's default); on a busy 2-core machine 1 is steadier")
     parser.add_argument("--json", type=Path, help="also write the result here")
@@ -56,29 +79,50 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.random_shape:
+        args.model_path = random_model(args.random_shape, ROOT / ".cache" / "models")
+    low, high = (int(v) for v in args.prompt_tokens.split(","))
+    sizes = [int(b) for b in args.batches.split(",")]
     runner = ModelRunner(str(args.model_path), device=args.device, dtype=args.dtype)
+    paths = ["slots", "transformers"] if args.decode == "both" else [args.decode]
+    decoder = None
+    if "slots" in paths:
+        if not runner.enable_slots(max(sizes), args.slot_tokens, args.cuda_graphs):
+            raise SystemExit(f"slot decoding is off for this model: {runner.decode_path}")
+        decoder = runner.slot_decoder
     result = {"model_path": str(args.model_path), "device": args.device, "dtype": args.dtype,
-              "new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "batches": {}}
-    for batch in (int(b) for b in args.batches.split(",")):
+              "new_tokens": args.new_tokens, "prompt_tokens": [low, high], "threads": torch.get_num_threads(),
+              "slots": runner.decode_path, "batches": {}}
+    for batch in sizes:
         for workload in ("same", "mixed"):
             budgets = [args.new_tokens if workload == "same" else max(1, args.new_tokens * (1 + i % 8) // 8)
                        for i in range(batch)]
-            rates = []
-            for round_ in range(args.rounds + 1):
-                jobs = [GenerateJob(rid=f"bench-{batch}-{round_}-{i}", input_ids=ids, capture=False,
-                                    sampling=SamplingConfig(max_new_tokens=budgets[i], temperature=0.0,
-                                                            ignore_eos=True))
-                        for i, ids in enumerate(prompts(batch, runner.vocab_size))]
-                started = time.perf_counter()
-                outcomes = runner.run_batch(jobs)
-                seconds = time.perf_counter() - started
-                generated = sum(len(outcome.output_ids) for outcome in outcomes)
-                if round_:  # the first round warms up
-                    rates.append(generated / seconds)
-            result["batches"][f"{batch}-{workload}"] = {"tokens_per_s": round(statistics.median(rates), 1),
-                                                        "rounds": [round(r, 1) for r in rates]}
-            print(f"batch {batch:>3} {workload:>5}: {statistics.median(rates):,.0f} generated tokens/s "
-                  f"(rounds {', '.join(f'{r:,.0f}' for r in rates)})", flush=True)
+            rates: dict[str, float] = {}
+            for path in paths:
+                runner.slot_decoder = decoder if path == "slots" else None
+                measured = []
+                for round_ in range(args.rounds + 1):
+                    jobs = [GenerateJob(rid=f"bench-{batch}-{round_}-{i}", input_ids=ids, capture=False,
+                                        sampling=SamplingConfig(max_new_tokens=budgets[i], temperature=0.0,
+                                                                ignore_eos=True))
+                            for i, ids in enumerate(prompts(batch, runner.vocab_size, low, high))]
+                    if args.device == "cuda":
+                        torch.cuda.synchronize()
+                    started = time.perf_counter()
+                    outcomes = runner.run_batch(jobs)
+                    seconds = time.perf_counter() - started
+                    generated = sum(len(outcome.output_ids) for outcome in outcomes)
+                    if round_:  # the first round warms up
+                        measured.append(generated / seconds)
+                rates[path] = statistics.median(measured)
+                result["batches"][f"{batch}-{workload}-{path}"] = {"tokens_per_s": round(rates[path], 1),
+                                                                   "rounds": [round(r, 1) for r in measured]}
+                print(f"batch {batch:>3} {workload:>5} {path:>12}: {rates[path]:,.0f} generated tokens/s "
+                      f"(rounds {', '.join(f'{r:,.0f}' for r in measured)})", flush=True)
+            if len(rates) == 2:
+                ratio = rates["slots"] / rates["transformers"]
+                result["batches"][f"{batch}-{workload}-ratio"] = round(ratio, 2)
+                print(f"batch {batch:>3} {workload:>5}: slots / transformers = {ratio:.2f}x", flush=True)
     print(json.dumps(result, sort_keys=True))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")

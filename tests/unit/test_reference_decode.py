@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3_pipeline.engine.batcher import GenerateJob, ModelRunner, SamplingConfig
+from eagle3_pipeline.engine.batcher import BatchWorker, GenerateJob, ModelRunner, SamplingConfig
 from eagle3_pipeline.models.tiny import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,3 +196,102 @@ def test_concurrent_generate_requests_equal_full_forward_greedy_and_join_the_run
     assert stopped and int(stopped.group(1)) == len(prompts)
     if int(stopped.group(3)) == 0:
         pytest.fail(f"no request joined the running decode: {stopped.group(0)}")
+
+
+# -- the slot cache (engine/slots.py) ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def slotted(tiny_model) -> ModelRunner:
+    """A second runner of the tiny model whose decode goes over a slot cache of 4 slots."""
+    runner = ModelRunner(str(tiny_model), device="cpu", dtype="float32")
+    assert runner.enable_slots(4, 256, graphs=False), runner.decode_path
+    return runner
+
+
+def test_slot_decoding_equals_full_forward_greedy_and_gives_every_slot_back(slotted, prompts):
+    budgets = [40, 3, 25, 1]
+    outcomes = slotted.run_batch([greedy_job(ids, n) for ids, n in zip(prompts, budgets)])
+    for i, (ids, n, outcome) in enumerate(zip(prompts, budgets, outcomes)):
+        want, margins = full_forward_greedy(slotted, ids, n)
+        assert_same_greedy(outcome.output_ids, want, margins, f"prompt {i}")
+    assert slotted.slot_decoder.free_slots == 4
+
+
+def test_rows_that_join_a_slotted_decode_in_freed_slots_equal_full_forward_greedy(slotted, prompts):
+    batch, finished = slotted.start([greedy_job(ids, n) for ids, n in zip(prompts[:3], (30, 2, 30))])
+    assert batch.slotted and not finished
+    for _ in range(4):  # the 2-token row ends and gives its slot back
+        finished += slotted.step(batch)
+    assert [len(row.outcome.output_ids) for row in finished] == [2]
+    assert slotted.slot_decoder.free_slots == 2
+    joining, more = slotted.start([greedy_job(ids, 30) for ids in prompts[3:5]])
+    assert slotted.can_merge(batch, joining)
+    batch = slotted.merge(batch, joining)
+    rows = {id(row.job): row for row in (*batch.rows, *finished, *more)}
+    jobs = [row.job for row in batch.rows]
+    while batch.rows:
+        slotted.step(batch)
+    for job in jobs:
+        want, margins = full_forward_greedy(slotted, job.input_ids, 30)
+        assert_same_greedy(rows[id(job)].outcome.output_ids, want, margins, f"prompt of {len(job.input_ids)} tokens")
+    assert slotted.slot_decoder.free_slots == 4
+
+
+def test_requests_beyond_the_free_slots_or_needing_logprobs_decode_on_the_transformers_path(slotted, prompts):
+    worker = BatchWorker(slotted, max_batch_size=8).start()
+    try:
+        jobs = [greedy_job(ids, 12) for ids in prompts]  # 6 requests, 4 slots
+        jobs.append(greedy_job(prompts[0], 5, return_logprob=True))
+        jobs.append(greedy_job(prompts[1], 300))  # longer than a slot's 256 tokens
+        groups = slotted.groups(jobs)
+        assert [len(group) for group in groups] == [4, 4]
+        assert all(slotted.slot_ready(job) for job in groups[0]) and not any(map(slotted.slot_ready, jobs[-2:]))
+        futures = [worker.submit(job) for job in jobs]
+        outcomes = [future.result(timeout=300) for future in futures]
+    finally:
+        worker.stop()
+    for job, outcome in zip(jobs, outcomes):
+        want, margins = full_forward_greedy(slotted, job.input_ids, job.sampling.max_new_tokens)
+        assert_same_greedy(outcome.output_ids, want, margins, f"prompt of {len(job.input_ids)} tokens")
+    logprobs = outcomes[-2].output_token_logprobs
+    assert logprobs and len(logprobs) == len(outcomes[-2].output_ids)
+    assert slotted.slot_decoder.free_slots == 4
+
+
+def small_model(tmp_path: Path, kind: str) -> Path:
+    """A 2-layer model of another architecture with random weights."""
+    import transformers
+
+    shape = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+    extra = {"Gemma": {"head_dim": 16}, "Qwen3": {"head_dim": 16},
+             # Granite's multipliers, but logits as lm_head gives them (the engine refuses scaled logits)
+             "Granite": {"embedding_multiplier": 4.0, "residual_multiplier": 0.5, "logits_scaling": 1.0}}[kind]
+    config = getattr(transformers, f"{kind}Config")(**shape, **extra)
+    torch.manual_seed(0)
+    getattr(transformers, f"{kind}ForCausalLM")(config).save_pretrained(tmp_path / kind)
+    return tmp_path / kind
+
+
+@pytest.mark.parametrize("kind", ["Gemma", "Qwen3"])
+def test_other_llama_style_architectures_decode_over_slots_as_their_full_forwards(tmp_path, kind):
+    """Gemma (embeddings scaled, norms of 1 + w, both inside its modules) and Qwen3 (per-head q/k norms)."""
+    runner = ModelRunner(str(small_model(tmp_path, kind)), device="cpu", dtype="float32", aux_layers=[0])
+    assert runner.enable_slots(4, 128, graphs=False), runner.decode_path
+    ids = [list(range(3 + i, 20 + 3 * i)) for i in range(3)]
+    for prompt, outcome in zip(ids, runner.run_batch([greedy_job(prompt, 9) for prompt in ids])):
+        want, margins = full_forward_greedy(runner, prompt, 9)
+        assert_same_greedy(outcome.output_ids, want, margins, f"{kind}, prompt of {len(prompt)} tokens")
+
+
+def test_a_model_the_slot_path_does_not_reproduce_keeps_the_transformers_path_and_says_why(tmp_path):
+    """Granite multiplies its embeddings and each layer's residual branch inside the decoder's and the
+    layers' forwards, which the slot path's layer loop does not: its modules have Llama's names, so only
+    the start-up check against full forwards can tell."""
+    runner = ModelRunner(str(small_model(tmp_path, "Granite")), device="cpu", dtype="float32", aux_layers=[0])
+    assert not runner.enable_slots(4, 128, graphs=False)
+    assert runner.slot_decoder is None
+    assert "differ from a full forward" in runner.decode_path, runner.decode_path
+    prompt = list(range(3, 20))
+    outcome = runner.run_batch([greedy_job(prompt, 4)])[0]
+    want, margins = full_forward_greedy(runner, prompt, 4)
+    assert_same_greedy(outcome.output_ids, want, margins, "Granite on the transformers path")

@@ -48,6 +48,8 @@ LOG = logging.getLogger("eagle3_pipeline.engine")
 
 CAPTURE_ENGINE = "reference"
 CAPTURE_WRITERS = 4
+# The longest a request waits behind a running batch before it is prefilled into it.
+ADMIT_WAIT_S = 0.02
 
 
 class ServiceUnavailable(RuntimeError):
@@ -133,20 +135,24 @@ class DecodeRow:
     generator: object | None  # torch.Generator of a sampled request; None for greedy
     position: int  # position id of the next token fed to the model
     token: int = 0  # the token chosen last, fed at the next step
+    slot: int | None = None  # its slot of the slot cache (``engine/slots.py``); None on the transformers path
 
 
 @dataclass(eq=False)
 class DecodeBatch:
     """Requests decoding together: their rows, the KV cache, and the attention mask over its columns.
 
-    Row ``b`` of the cache and mask belongs to ``rows[b]``. A column is 1 in a row's mask where
-    that row has a key there; the zeros are the right padding of a prefill and the columns a row
-    that joined mid-decode never had. Each row goes on at its own ``position``.
+    On the transformers path row ``b`` of the cache and mask belongs to ``rows[b]``. A column is 1
+    in a row's mask where that row has a key there; the zeros are the right padding of a prefill and
+    the columns a row that joined mid-decode never had. Each row goes on at its own ``position``.
+    A ``slotted`` batch has neither: each row's keys and values are in its own slot of the runner's
+    slot cache.
     """
 
     rows: list[DecodeRow]
     cache: object  # transformers DynamicCache, [B, heads, columns, head_dim] per layer; None once empty
     mask: object  # torch.Tensor [B, columns]
+    slotted: bool = False
 
 
 def _answer(job, outcome: GenerateOutcome, write: Future | None = None) -> None:
@@ -210,6 +216,8 @@ class ModelRunner:
         self._layers = self._decoder_layers()
         self._cache_kw = self._cache_keyword()
         self._captured: dict[int, object] | None = None
+        self.slot_decoder = None  # engine/slots.py's SlotDecoder, once enable_slots found it faithful
+        self.decode_path = "transformers"
         for index in sorted(set(self.aux_layers)):
             self._layers[index].register_forward_hook(partial(self._keep_layer_output, index))
         self._check_logits_from_last_hidden_state()
@@ -301,19 +309,13 @@ class ModelRunner:
         length = min(12, self.context_length - 1)
         if length < 4:
             return
-        tokens = [(7 + 131 * i) % self.vocab_size for i in range(length)]
+        tokens = self._check_tokens(length)
         short = length - 3  # the second row of the batch, right-padded
-
-        def full(ids):
-            with torch.inference_mode():
-                out, captured = self._run_decoder(input_ids=torch.tensor([ids], device=self.device))
-            aux = torch.cat([captured[i][0] for i in self.aux_layers], dim=-1)
-            return aux, self.lm_head(out.last_hidden_state[0]).float()
+        full = self._full_forward
 
         def compare(what, aux, logits, want_aux, want_logits):
             for name, ours, full_one in (("aux hidden states", aux, want_aux), ("logits", logits, want_logits)):
-                got, want = ours.float(), full_one.float()
-                error = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+                error = self._relative_error(ours, full_one)
                 if not error <= CACHED_FORWARD_TOLERANCE[self.dtype_name]:
                     raise ValueError(
                         f"{self.model_path}: {what} with the KV cache gives {name} that differ from a full forward "
@@ -352,6 +354,84 @@ class ModelRunner:
             aux = torch.cat([captured[i][b] for i in self.aux_layers], dim=-1)
             compare("a batched decode step", aux, self.lm_head(out.last_hidden_state[b]), want_aux[-1:],
                     want_logits[-1:])
+
+    def _check_tokens(self, length: int) -> list[int]:
+        """The token ids the start-up checks read (deterministic, spread over the vocabulary)."""
+        return [(7 + 131 * i) % self.vocab_size for i in range(length)]
+
+    def _full_forward(self, ids: list[int]):
+        """(aux states [T, n_aux*H], logits [T, V] float32) of one sequence by a forward without a cache."""
+        torch = self.torch
+        with torch.inference_mode():
+            out, captured = self._run_decoder(input_ids=torch.tensor([ids], device=self.device))
+        aux = torch.cat([captured[i][0] for i in self.aux_layers], dim=-1)
+        return aux, self.lm_head(out.last_hidden_state[0]).float()
+
+    @staticmethod
+    def _relative_error(got, want) -> float:
+        """Largest difference of two tensors relative to the largest magnitude of ``want``."""
+        got, want = got.float(), want.float()
+        return ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+
+    # -- the slot cache ------------------------------------------------------------------------
+    def enable_slots(self, slots: int, slot_tokens: int, graphs: bool = True) -> bool:
+        """Decode the requests that need no capture and no logprobs over a slot cache of ``slots`` x
+        ``slot_tokens`` (``engine/slots.py``), if this model decodes there as its full forwards say;
+        otherwise keep the transformers path for everything. Whether it is on, and why not, is in
+        ``decode_path``."""
+        from eagle3_pipeline.engine import slots as slot_cache  # noqa: PLC0415
+
+        slot_tokens = min(int(slot_tokens), self.context_length)
+        reason = slot_cache.unsupported(self.model)
+        if reason is None and (slots < 1 or slot_tokens < 16):
+            reason = f"no room for a slot cache ({slots} slots of {slot_tokens} tokens)"
+        decoder = None
+        # With CUDA graphs first; a failure there (a kernel that cannot be captured) leaves them off.
+        for replay in ([True, False] if graphs else [False]) if reason is None else []:
+            try:
+                decoder = slot_cache.SlotDecoder(self.model, slots, slot_tokens, replay)
+                with self.torch.inference_mode():
+                    reason = self._compare_slot_decode(decoder)
+            except (RuntimeError, ValueError) as exc:  # a kernel this device or build lacks
+                reason = f"{type(exc).__name__}: {exc}"
+            if reason is None:
+                break
+            decoder = None
+        if reason is not None:
+            self.slot_decoder = None
+            self.decode_path = f"transformers (slot decoding off: {reason})"
+            LOG.warning("%s: slot decoding off, the transformers path decodes everything: %s", self.model_path,
+                        reason)
+            return False
+        self.slot_decoder = decoder
+        self.decode_path = decoder.describe()
+        return True
+
+    def _compare_slot_decode(self, decoder) -> str | None:
+        """Why slot decoding does not reproduce this model's full forwards (None when it does): two
+        prompts of different lengths in slots apart, each then decoding three tokens together."""
+        length = min(12, decoder.slot_tokens - 4)
+        tokens = self._check_tokens(length + 3)
+        prompts = [tokens[:length], tokens[: length - 3]]
+        taken = decoder.take(decoder.free_slots)
+        slots = [taken[0], taken[-1]] if len(taken) > 1 else taken  # the first and the last slot
+        prompts = prompts[: len(slots)]
+        try:
+            got = [decoder.prefill(slots, prompts)]
+            for step in range(3):
+                got.append(decoder.decode(slots, [tokens[len(p) + step] for p in prompts],
+                                          [len(p) + step for p in prompts]))
+        finally:
+            decoder.release(taken)
+        for b, prompt in enumerate(prompts):
+            _, want = self._full_forward(tokens[: len(prompt) + 3])
+            for step in range(4):
+                error = self._relative_error(got[step][b], want[len(prompt) - 1 + step])
+                if not error <= CACHED_FORWARD_TOLERANCE[self.dtype_name]:
+                    return (f"its logits at decode step {step} of a {len(prompt)}-token prompt differ from a full "
+                            f"forward by {error:.3g} of the largest value (allowed "
+                            f"{CACHED_FORWARD_TOLERANCE[self.dtype_name]})")
+        return None
 
     def _check_logits_from_last_hidden_state(self) -> None:
         """Refuse models whose logits are not ``lm_head(last_hidden_state)`` (softcapping, scaling...).
@@ -411,10 +491,30 @@ class ModelRunner:
             self.step(batch)
         return [outcomes[id(job)] for job in jobs]
 
+    def slot_ready(self, job: GenerateJob) -> bool:
+        """Whether ``job`` can decode over the slot cache: it needs no capture and no logprobs (those
+        come from the transformers prefill), and its prompt and budget fit a slot."""
+        decoder = self.slot_decoder
+        return (decoder is not None and not (job.capture and self.capture_dir is not None)
+                and not job.return_logprob and job.sampling.max_new_tokens > 0
+                and len(job.input_ids) + job.sampling.max_new_tokens <= decoder.slot_tokens)
+
+    def groups(self, jobs: list[GenerateJob]) -> list[list[GenerateJob]]:
+        """``jobs`` split into the batches ``start`` takes: those for free slots, and the others."""
+        free = self.slot_decoder.free_slots if self.slot_decoder is not None else 0
+        slotted, others = [], []
+        for job in jobs:
+            (slotted if len(slotted) < free and self.slot_ready(job) else others).append(job)
+        return [group for group in (slotted, others) if group]
+
     def start(self, jobs: list[GenerateJob]) -> tuple[DecodeBatch, list[DecodeRow]]:
         """Prefill ``jobs`` as one batch (captures written off this thread), choose each one's first
-        token; return (the batch of those still decoding, the rows already finished)."""
+        token; return (the batch of those still decoding, the rows already finished). Jobs that all
+        fit the free slots of the slot cache (``groups``) decode there."""
         torch = self.torch
+        decoder = self.slot_decoder
+        if decoder is not None and len(jobs) <= decoder.free_slots and all(self.slot_ready(j) for j in jobs):
+            return self._start_slotted(jobs)
         with torch.inference_mode():
             prefilled, cache, mask, lengths = self.prefill(jobs)
             rows = []
@@ -447,10 +547,41 @@ class ModelRunner:
                 finished += self._advance(batch, logits)
         return batch, finished
 
+    def _start_slotted(self, jobs: list[GenerateJob]) -> tuple[DecodeBatch, list[DecodeRow]]:
+        """``start`` over the slot cache: each job takes a slot, its prompt is prefilled there."""
+        decoder = self.slot_decoder
+        slots = decoder.take(len(jobs))
+        try:
+            with self.torch.inference_mode():
+                logits = decoder.prefill(slots, [job.input_ids for job in jobs])
+                rows = [DecodeRow(job, GenerateOutcome(output_ids=[], finish_reason={"type": "length", "length": 0}),
+                                  self._generator(job.sampling), len(job.input_ids), slot=slot)
+                        for job, slot in zip(jobs, slots)]
+                batch = DecodeBatch(rows, None, None, slotted=True)
+                return batch, self._advance(batch, logits)
+        except Exception:
+            decoder.release(slots)
+            raise
+
+    def abandon(self, batch: DecodeBatch) -> None:
+        """Free what a batch that will not go on holds (its slots; the transformers cache is garbage)."""
+        if batch.slotted:
+            self.slot_decoder.release(row.slot for row in batch.rows)
+        batch.rows = []
+        batch.cache = None
+
     def step(self, batch: DecodeBatch) -> list[DecodeRow]:
         """One decode forward for every row of ``batch`` (each at its own position), then one token
         each; finished rows leave the batch (and their cache rows with them). Returns those rows."""
         torch = self.torch
+        if batch.slotted:
+            with torch.inference_mode():
+                rows = batch.rows
+                logits = self.slot_decoder.decode([row.slot for row in rows], [row.token for row in rows],
+                                                  [row.position for row in rows])
+                for row in rows:
+                    row.position += 1
+                return self._advance(batch, logits)
         with torch.inference_mode():
             size = len(batch.rows)
             batch.mask = torch.cat([batch.mask, torch.ones((size, 1), dtype=batch.mask.dtype, device=self.device)], 1)
@@ -465,11 +596,16 @@ class ModelRunner:
             logits = self.lm_head(out.last_hidden_state[:, -1]).float()  # [B, V]
             return self._advance(batch, logits)
 
-    def can_merge(self, batch: DecodeBatch) -> bool:
-        """Whether another batch's rows can join ``batch`` mid-decode: its cache is plain growing
-        key/value tensors per layer (sliding-window or static layers keep positions of their own)."""
+    def can_merge(self, batch: DecodeBatch, other: DecodeBatch | None = None) -> bool:
+        """Whether another batch's rows (``other``'s, when given) can join ``batch`` mid-decode: both
+        slotted, or both with plain growing key/value tensors per layer (sliding-window or static
+        layers keep positions of their own)."""
         from transformers.cache_utils import DynamicLayer  # noqa: PLC0415
 
+        if other is not None and other.slotted != batch.slotted:
+            return False
+        if batch.slotted:
+            return True
         layers = getattr(batch.cache, "layers", None)
         return bool(layers) and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers)
 
@@ -482,6 +618,9 @@ class ModelRunner:
             return batch
         if not batch.rows:
             return other
+        if batch.slotted:  # each row's keys stay in its slot
+            batch.rows = batch.rows + other.rows
+            return batch
         with torch.inference_mode():
             width = max(batch.mask.shape[1], other.mask.shape[1])
 
@@ -521,7 +660,10 @@ class ModelRunner:
                 keep.append(b)
         if finished:
             batch.rows = [batch.rows[b] for b in keep]
-            self._keep_rows(batch, keep)
+            if batch.slotted:
+                self.slot_decoder.release(row.slot for row in finished)
+            else:
+                self._keep_rows(batch, keep)
         return finished
 
     def _keep_rows(self, batch: DecodeBatch, keep: list[int]) -> None:
@@ -644,6 +786,7 @@ class BatchWorker:
         self.batches = 0  # prefills run
         self.requests = 0  # requests answered
         self.admitted = 0  # requests that joined a batch already decoding
+        self._queued_since: float | None = None  # when a job first queued behind a running batch
 
     def start(self) -> BatchWorker:
         """Start the worker thread."""
@@ -716,36 +859,59 @@ class BatchWorker:
                   sum(len(job.input_ids) for job in jobs), 1000 * (time.monotonic() - started))
         return batch
 
+    def _admit(self, running: list[DecodeBatch], jobs: list[GenerateJob]) -> list[DecodeBatch]:
+        """Prefill ``jobs`` (the slot cache's and the others apart) and add their rows to a running
+        batch of their kind, or as a batch of their own."""
+        for group in self.runner.groups(jobs):
+            joining = self._start(group)
+            if joining is None or not joining.rows:
+                continue
+            into = next((b for b in running if self.runner.can_merge(b, joining)), None)
+            if into is None:
+                running.append(joining)
+            else:
+                self.admitted += len(joining.rows)
+                self.runner.merge(into, joining)
+        return running
+
+    def _admit_now(self, decoding: int) -> bool:
+        """Whether to prefill what queued since the last admission, now. A prefill interrupts every
+        row's decode, so with a large batch running it waits until a sixteenth of the batch (or all
+        the free room) is queued, or until the first of them has waited ``ADMIT_WAIT_S``."""
+        queued = self._queue.qsize()
+        room = self.max_batch_size - decoding
+        if not queued or room <= 0:
+            self._queued_since = None
+            return False
+        now = time.monotonic()
+        if self._queued_since is None:
+            self._queued_since = now
+        enough = min(room, max(1, self.max_batch_size // 16))
+        return queued >= enough or now - self._queued_since >= ADMIT_WAIT_S
+
     def _loop(self) -> None:
-        running: DecodeBatch | None = None
+        running: list[DecodeBatch] = []
         while True:
-            if running is None:
+            decoding = sum(len(batch.rows) for batch in running)
+            if not running:
                 jobs = self._next_batch()
                 if jobs is None:
                     if self._stopping.is_set():
                         return
                     continue
-                running = self._start(jobs)
-            elif self.runner.can_merge(running):
-                jobs = self._waiting(self.max_batch_size - len(running.rows))
-                if jobs:
-                    joining = self._start(jobs)
-                    if joining is not None and joining.rows:
-                        self.admitted += len(joining.rows)
-                        running = self.runner.merge(running, joining)
-            if running is None or not running.rows:
-                running = None
-                continue
-            try:
-                self._finish(self.runner.step(running))
-            except Exception as exc:  # noqa: BLE001 - the server stays up; these requests fail
-                LOG.exception("decode step of %d request(s) failed: %s", len(running.rows), exc)
-                for row in running.rows:
-                    row.job.future.set_exception(exc)
-                running = None
-                continue
-            if not running.rows:
-                running = None
+                running = self._admit(running, jobs)
+            elif self._admit_now(decoding):
+                self._queued_since = None
+                running = self._admit(running, self._waiting(self.max_batch_size - decoding))
+            for batch in running:
+                try:
+                    self._finish(self.runner.step(batch))
+                except Exception as exc:  # noqa: BLE001 - the server stays up; these requests fail
+                    LOG.exception("decode step of %d request(s) failed: %s", len(batch.rows), exc)
+                    for row in batch.rows:
+                        row.job.future.set_exception(exc)
+                    self.runner.abandon(batch)
+            running = [batch for batch in running if batch.rows]
 
     def stop(self, grace_s: float = 30.0) -> int:
         """Finish queued and running jobs within ``grace_s``; fail what is left; return how many failed."""

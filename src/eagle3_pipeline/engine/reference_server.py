@@ -229,7 +229,9 @@ class ReferenceEngine:
             "pp_size": 1,
             "disable_radix_cache": True,
             "chunked_prefill_size": -1,
-            "disable_cuda_graph": True,
+            # CUDA graphs replay slot decoding only: a capture's prefill never runs in one.
+            "disable_cuda_graph": not (runner.slot_decoder is not None and runner.slot_decoder.graphs_on),
+            "decode": runner.decode_path,
             "speculative_algorithm": None,
             "enable_return_aux_hidden_states": capturing,
             "return_aux_hidden_state_layer_ids": list(runner.aux_layers) if capturing else None,
@@ -389,6 +391,18 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         "up to this size); the serving mode of the sglang_server role sets 64")
     parser.add_argument("--batch-wait-ms", type=float, default=5.0,
                         help="how long the worker waits for more requests to join a batch")
+    parser.add_argument("--decode", choices=["slots", "transformers"], default="slots",
+                        help="slots: requests that need no capture and no logprobs decode over a KV cache of fixed "
+                        "slots (CUDA graphs, flash attention), when the model passes the start-up check against its "
+                        "full forwards; transformers: every request on transformers' own cache")
+    parser.add_argument("--slot-tokens", type=int, default=4096,
+                        help="prompt + new tokens one slot holds (capped at the context length); longer requests "
+                        "decode on the transformers path")
+    parser.add_argument("--kv-cache-gib", type=float, default=0.0,
+                        help="GiB for the slot cache (0: half the GPU memory free after loading, 2 on the CPU); "
+                        "fewer slots than --max-batch-size when they do not fit")
+    parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                        help="replay no CUDA graphs in slot decoding")
     parser.add_argument("--api-key-env", default=None, metavar="NAME",
                         help="require 'Authorization: Bearer <key>', the key read from this environment variable")
     parser.add_argument("--log-file", default=None, help="also write the log to this file")
@@ -432,6 +446,13 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         LOG.error("cannot start: %s", exc)
         return 2
+    if args.decode == "slots":
+        from eagle3_pipeline.engine.slots import plan_slots  # noqa: PLC0415
+
+        slots, slot_tokens = plan_slots(runner.model, args.max_batch_size, args.slot_tokens, args.kv_cache_gib)
+        runner.enable_slots(slots, slot_tokens, args.cuda_graphs)
+    else:
+        runner.decode_path = "transformers (--decode transformers)"
     if runner.capture_dir is not None:
         from eagle3_pipeline.capture.writer import ensure_capture_dir  # noqa: PLC0415
 
@@ -450,8 +471,8 @@ def run(args: argparse.Namespace) -> int:
     serving.start()
     LOG.info(
         "reference engine serving http://%s:%d model=%s device=%s dtype=%s aux_layers=%s capture_dir=%s "
-        "max_batch_size=%d api_key=%s", args.host, engine.port, runner.model_path, runner.device.type,
-        runner.dtype_name, runner.aux_layers, runner.capture_dir, worker.max_batch_size,
+        "max_batch_size=%d decode=%s api_key=%s", args.host, engine.port, runner.model_path, runner.device.type,
+        runner.dtype_name, runner.aux_layers, runner.capture_dir, worker.max_batch_size, runner.decode_path,
         "required" if api_key else "none",
     )
     while not stop.wait(0.5):

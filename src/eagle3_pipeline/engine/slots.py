@@ -1,0 +1,347 @@
+"""Decoding over a KV cache of fixed slots: the reference engine's fast path for Llama-family decoders.
+
+The transformers path keeps a batch's cache as growing tensors (``DynamicCache``): every decode step
+appends a column to every layer's keys and values (a copy of the whole cache), and every request that
+joins or leaves the batch copies it again. Serving hundreds of requests at once (the regeneration),
+those copies, not the model, set the pace. Here the cache is allocated once per server: ``slots``
+rows of ``slot_tokens`` positions for every layer, keys and values laid out as flash attention's
+packed form, ``[(slots + 1) * slot_tokens, kv_heads, head_dim]`` (the extra slot is scratch for the
+padding rows of a CUDA graph). A request takes a free slot for its life: its prompt's keys and values
+are written at positions ``0..P-1`` of the slot, each decoded token's at the next position, and
+nothing is ever moved. Attention reads each row's own slot: flash attention (varlen) with the slot's
+first key as the row's key offset and the tokens written so far as its used length (CUDA, bf16 or
+fp16), or scaled dot-product attention row by row elsewhere.
+
+A decode step is one token per row; on CUDA the steps of each batch size (rounded up to a power of
+two) are replayed as CUDA graphs, so a step costs the GPU's time, not Python's.
+
+The layer loop calls the model's own modules (embedding, norms, projections, MLP, rotary embedding);
+only the attention and the cache are this module's. Whether that reproduces the model is not assumed:
+``ModelRunner`` compares slot decoding with full forwards of transformers at start, and a model that
+differs keeps the transformers path. ``unsupported`` refuses up front what cannot work (no Llama-style
+layers, sliding windows, position-dependent RoPE scaling).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+import torch.nn.functional as F
+
+# RoPE variants whose frequencies do not depend on the sequence length (graph-safe, slot-safe).
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Tokens per prefill forward: bounds the activations of a prefill of many long prompts.
+PREFILL_TOKENS = 32768
+
+
+def unsupported(model) -> str | None:  # noqa: PLR0911 - one return per reason
+    """Why ``model`` cannot decode over slots (None when it can, to be confirmed by the start-up check)."""
+    config = model.config
+    decoder = model.get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if layers is None or not len(layers):
+        return "the decoder has no list of layers"
+    for name in ("embed_tokens", "norm", "rotary_emb"):
+        if not hasattr(decoder, name):
+            return f"the decoder has no `{name}`"
+    if model.get_output_embeddings() is None:
+        return "the model has no output embeddings (lm_head)"
+    for layer in layers:
+        attention = getattr(layer, "self_attn", None)
+        names = ("input_layernorm", "post_attention_layernorm", "mlp")
+        if attention is None or not all(hasattr(layer, name) for name in names):
+            return "its decoder layers are not Llama-style (self_attn, input_layernorm, post_attention_layernorm, mlp)"
+        if not all(hasattr(attention, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim")):
+            return "its attention has no separate q/k/v/o projections"
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    if window or any(kind != "full_attention" for kind in layer_types):
+        return "it has sliding-window attention layers"
+    rope = getattr(decoder.rotary_emb, "rope_type", "default")
+    if rope not in STATIC_ROPE_TYPES:
+        return f"its RoPE type {rope!r} depends on the sequence length"
+    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None):
+        return "it caps its attention or output logits"
+    return None
+
+
+def bytes_per_token(model, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one cached token takes over all layers."""
+    config = model.config
+    attention = model.get_decoder().layers[0].self_attn
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    return int(config.num_hidden_layers) * 2 * kv_heads * int(attention.head_dim) * dtype.itemsize
+
+
+def plan_slots(model, max_batch_size: int, slot_tokens: int, cache_gib: float) -> tuple[int, int]:
+    """(slots, tokens a slot): ``max_batch_size`` slots of ``slot_tokens`` (capped at the model's context
+    length), fewer when they would take more than ``cache_gib`` GiB (0: half the GPU memory free now on
+    CUDA, 2 GiB on the CPU)."""
+    weight = model.get_input_embeddings().weight
+    context = int(getattr(model.config, "max_position_embeddings", 0) or 0) or slot_tokens
+    slot_tokens = max(1, min(int(slot_tokens), context))
+    if cache_gib <= 0:
+        cache_gib = (torch.cuda.mem_get_info(weight.device)[0] / 2**31 if weight.device.type == "cuda" else 2.0)
+    per_slot = slot_tokens * bytes_per_token(model, weight.dtype)
+    fit = int(cache_gib * 2**30 // per_slot) - 1  # one slot of scratch
+    return max(0, min(int(max_batch_size), fit)), slot_tokens
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _bucket(n: int, limit: int) -> int:
+    """The CUDA-graph batch size for ``n`` rows: the next power of two, at most ``limit``."""
+    size = 1
+    while size < n:
+        size *= 2
+    return min(size, limit)
+
+
+class SlotDecoder:
+    """A model's decode steps over a preallocated slot cache (see the module docstring)."""
+
+    def __init__(self, model, slots: int, slot_tokens: int, graphs: bool = True):
+        reason = unsupported(model)
+        if reason is not None:
+            raise ValueError(reason)
+        if slots < 1 or slot_tokens < 2:
+            raise ValueError(f"need at least one slot of 2 tokens, got {slots} x {slot_tokens}")
+        decoder = model.get_decoder()
+        self.embed, self.norm, self.rotary = decoder.embed_tokens, decoder.norm, decoder.rotary_emb
+        self.layers = list(decoder.layers)
+        self.lm_head = model.get_output_embeddings()
+        config = model.config
+        attention = self.layers[0].self_attn
+        self.head_dim = int(attention.head_dim)
+        self.scale = float(getattr(attention, "scaling", self.head_dim**-0.5))
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        weight = self.embed.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.slots, self.slot_tokens = int(slots), int(slot_tokens)
+        self.scratch = self.slots  # the padding rows' slot
+        shape = (len(self.layers), (self.slots + 1) * self.slot_tokens, self.kv_heads, self.head_dim)
+        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._free = list(range(self.slots))
+        self.flash = (self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
+                      and self.head_dim <= 256 and hasattr(torch.ops.aten, "_flash_attention_forward"))
+        self.graphs_on = bool(graphs) and self.device.type == "cuda"
+        self._graphs: dict[int, tuple] = {}
+        self._pool = None
+        self._static: dict[str, torch.Tensor] | None = None
+
+    # -- slots -------------------------------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        """Slots no request holds."""
+        return len(self._free)
+
+    def take(self, count: int) -> list[int]:
+        """``count`` free slots (the lowest numbers); ValueError when fewer are free."""
+        if count > len(self._free):
+            raise ValueError(f"{count} slots asked for, {len(self._free)} free")
+        return [heapq.heappop(self._free) for _ in range(count)]
+
+    def release(self, slots) -> None:
+        """Give slots back; their old keys and values are overwritten by the next holder."""
+        for slot in slots:
+            heapq.heappush(self._free, int(slot))
+
+    def describe(self) -> str:
+        """One line for the server's log and /server_info."""
+        attention = "flash attention" if self.flash else "scaled dot-product attention"
+        graphs = "CUDA graphs" if self.graphs_on else "no CUDA graphs"
+        return f"slots: {self.slots} x {self.slot_tokens} tokens, {attention}, {graphs}"
+
+    # -- the forward ----------------------------------------------------------------------------
+    def forward(self, tokens, positions, write_index, cu_q, max_q: int, key_start, used, *, select=None,
+                aux_layers=(), host=None):
+        """Packed rows through the model over the slot cache: (logits float32 of the ``select``ed tokens
+        (all when None), {aux layer: its output for every token}).
+
+        ``tokens``, ``positions``, ``write_index`` (slot * slot_tokens + position): [N]; ``cu_q``: [B + 1]
+        int32 offsets of each row's tokens; ``key_start``: [B + 1] int32, each row's slot * slot_tokens
+        (then any end); ``used``: [B] int32, each row's length after this forward's keys are written.
+        ``host``: the same three as lists, for the attention that is not flash.
+        """
+        count = tokens.shape[0]
+        hidden = self.embed(tokens)  # [N, H]
+        cos, sin = self.rotary(hidden[None], positions[None])  # [1, N, D] each
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [N, 1, D]: over the heads
+        captured = {}
+        for index, layer in enumerate(self.layers):
+            attention = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            q = attention.q_proj(x).view(count, -1, self.head_dim)  # [N, heads, D]
+            k = attention.k_proj(x).view(count, -1, self.head_dim)  # [N, kv_heads, D]
+            v = attention.v_proj(x).view(count, -1, self.head_dim)
+            if hasattr(attention, "q_norm"):  # Qwen3-style per-head norms, before RoPE
+                q, k = attention.q_norm(q), attention.k_norm(k)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            self.keys[index].index_copy_(0, write_index, k)
+            self.values[index].index_copy_(0, write_index, v)
+            out = self._attend(index, q, cu_q, max_q, key_start, used, host)  # [N, heads, D]
+            hidden = hidden + attention.o_proj(out.reshape(count, -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            if index in aux_layers:
+                captured[index] = hidden
+        if select is not None:
+            hidden = hidden.index_select(0, select)
+        return self.lm_head(self.norm(hidden)).float(), captured
+
+    def _attend(self, layer: int, q, cu_q, max_q: int, key_start, used, host):
+        keys, values = self.keys[layer], self.values[layer]
+        if self.flash:
+            return torch.ops.aten._flash_attention_forward(
+                q, keys, values, cu_q, key_start, max_q, self.slot_tokens, 0.0, True, False, scale=self.scale,
+                seqused_k=used)[0]
+        # Row by row: the row's queries over its slot's used keys, causal from the bottom right (the last
+        # query sees every key, the first sees the keys before the row's new ones and itself).
+        cu_q_host, key_start_host, used_host = host
+        outs = []
+        for row in range(len(used_host)):
+            first, last = cu_q_host[row], cu_q_host[row + 1]
+            start, length = key_start_host[row], used_host[row]
+            rows = last - first
+            query = q[first:last].transpose(0, 1)[None]  # [1, heads, n, D]
+            key = keys[start:start + length].transpose(0, 1)[None]  # [1, kv_heads, L, D]
+            value = values[start:start + length].transpose(0, 1)[None]
+            allowed = (torch.arange(length, device=q.device)[None, :]
+                       <= torch.arange(length - rows, length, device=q.device)[:, None])
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=self.scale,
+                                                 enable_gqa=True)
+            outs.append(out[0].transpose(0, 1))
+        return torch.cat(outs)
+
+    # -- prefill and decode ------------------------------------------------------------------------
+    def _layout(self, slots: list[int], lengths: list[int], starts: list[int]):
+        """Host lists of one forward's rows: row ``b`` writes ``lengths[b]`` tokens at positions
+        ``starts[b]..`` of slot ``slots[b]``."""
+        cu_q, key_start, used = [0], [], []
+        for slot, length, start in zip(slots, lengths, starts):
+            cu_q.append(cu_q[-1] + length)
+            key_start.append(slot * self.slot_tokens)
+            used.append(start + length)
+        key_start.append((self.slots + 1) * self.slot_tokens)
+        return cu_q, key_start, used
+
+    def _check_room(self, slots, ends) -> None:
+        for slot, end in zip(slots, ends):
+            if not 0 <= slot <= self.slots or end > self.slot_tokens:
+                raise ValueError(f"slot {slot}: {end} tokens do not fit its {self.slot_tokens}")
+
+    def prefill(self, slots: list[int], prompts: list[list[int]]):
+        """Write each prompt's keys and values into its slot; the logits [n, V] float32 of each prompt's
+        last token. Prompts are packed (no padding), at most ``PREFILL_TOKENS`` a forward (rows whole)."""
+        self._check_room(slots, [len(p) for p in prompts])
+        logits, group, size = [], [], 0
+        for b, prompt in enumerate(prompts):
+            if group and size + len(prompt) > PREFILL_TOKENS:
+                logits.append(self._prefill_group([slots[i] for i in group], [prompts[i] for i in group]))
+                group, size = [], 0
+            group.append(b)
+            size += len(prompt)
+        if group:
+            logits.append(self._prefill_group([slots[i] for i in group], [prompts[i] for i in group]))
+        return torch.cat(logits)
+
+    def _prefill_group(self, slots, prompts):
+        lengths = [len(p) for p in prompts]
+        cu_q, key_start, used = self._layout(slots, lengths, [0] * len(prompts))
+        positions = [p for length in lengths for p in range(length)]
+        write = [slot * self.slot_tokens + p for slot, length in zip(slots, lengths) for p in range(length)]
+        device = self.device
+        logits, _ = self.forward(
+            torch.tensor([t for prompt in prompts for t in prompt], device=device),
+            torch.tensor(positions, device=device), torch.tensor(write, device=device),
+            torch.tensor(cu_q, dtype=torch.int32, device=device), max(lengths),
+            torch.tensor(key_start, dtype=torch.int32, device=device),
+            torch.tensor(used, dtype=torch.int32, device=device),
+            select=torch.tensor([c - 1 for c in cu_q[1:]], device=device), host=(cu_q, key_start, used))
+        return logits
+
+    def decode(self, slots: list[int], tokens: list[int], positions: list[int]):
+        """One token per row at its position in its slot: the logits [n, V] float32 of each row."""
+        self._check_room(slots, [p + 1 for p in positions])
+        n = len(slots)
+        if self.graphs_on:
+            return self._replay(slots, tokens, positions)
+        cu_q, key_start, used = self._layout(slots, [1] * n, positions)
+        device = self.device
+        write = [slot * self.slot_tokens + p for slot, p in zip(slots, positions)]
+        logits, _ = self.forward(
+            torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
+            torch.tensor(write, device=device), torch.tensor(cu_q, dtype=torch.int32, device=device), 1,
+            torch.tensor(key_start, dtype=torch.int32, device=device),
+            torch.tensor(used, dtype=torch.int32, device=device), host=(cu_q, key_start, used))
+        return logits
+
+    # -- CUDA graphs ----------------------------------------------------------------------------------
+    def _static_inputs(self) -> dict[str, torch.Tensor]:
+        """One set of input buffers for every graph (each graph reads its first B rows)."""
+        if self._static is None:
+            size, device = self.slots, self.device
+            self._static = {
+                "tokens": torch.zeros(size, dtype=torch.long, device=device),
+                "positions": torch.zeros(size, dtype=torch.long, device=device),
+                "write": torch.zeros(size, dtype=torch.long, device=device),
+                "key_start": torch.zeros(size + 1, dtype=torch.int32, device=device),
+                "used": torch.ones(size, dtype=torch.int32, device=device),
+                "cu_q": torch.arange(size + 1, dtype=torch.int32, device=device),
+                "staging": torch.zeros((4, size), dtype=torch.long).pin_memory(),
+            }
+        return self._static
+
+    def _graph(self, size: int):
+        """The captured decode step of ``size`` rows (captured at its first use)."""
+        if size in self._graphs:
+            return self._graphs[size]
+        static = self._static_inputs()
+        args = (static["tokens"][:size], static["positions"][:size], static["write"][:size],
+                static["cu_q"][: size + 1], 1, static["key_start"][: size + 1], static["used"][:size])
+        # Padding rows: the scratch slot, one token.
+        static["write"][:size].fill_(self.scratch * self.slot_tokens)
+        static["key_start"][: size + 1].fill_(self.scratch * self.slot_tokens)
+        static["used"][:size].fill_(1)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.forward(*args)  # warm-up: kernels chosen and loaded outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits, _ = self.forward(*args)
+        self._graphs[size] = (graph, logits)
+        return self._graphs[size]
+
+    def _replay(self, slots, tokens, positions):
+        n = len(slots)
+        size = _bucket(n, self.slots)
+        graph, logits = self._graph(size)
+        static = self._static_inputs()
+        staging = static["staging"]
+        pad = size - n
+        scratch = self.scratch * self.slot_tokens
+        staging[0, :size] = torch.tensor(tokens + [0] * pad)
+        staging[1, :size] = torch.tensor(positions + [0] * pad)
+        staging[2, :size] = torch.tensor([s * self.slot_tokens + p for s, p in zip(slots, positions)]
+                                         + [scratch] * pad)
+        staging[3, :size] = torch.tensor([s * self.slot_tokens for s in slots] + [scratch] * pad)
+        static["tokens"][:size].copy_(staging[0, :size], non_blocking=True)
+        static["positions"][:size].copy_(staging[1, :size], non_blocking=True)
+        static["write"][:size].copy_(staging[2, :size], non_blocking=True)
+        static["key_start"][:size].copy_(staging[3, :size], non_blocking=True)
+        static["key_start"][size] = (self.slots + 1) * self.slot_tokens
+        static["used"][:n].copy_(static["positions"][:n] + 1)
+        static["used"][n:size].fill_(1)
+        graph.replay()
+        # The staging buffer is reused by the next step: wait until this one's copies have left it.
+        torch.cuda.current_stream().synchronize()
+        return logits[:n]
