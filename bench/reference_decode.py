@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", default="16,80", help="LO,HI: prompt lengths")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workloads", default="same,mixed", help="comma-separated: same, mixed")
     parser.add_argument("--decode", choices=["both", "slots", "transformers"], default="both")
     parser.add_argument("--slot-tokens", type=int, default=4096)
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
               "new_tokens": args.new_tokens, "prompt_tokens": [low, high], "threads": torch.get_num_threads(),
               "slots": runner.decode_path, "batches": {}}
     for batch in sizes:
-        for workload in ("same", "mixed"):
+        for workload in args.workloads.split(","):
             budgets = [args.new_tokens if workload == "same" else max(1, args.new_tokens * (1 + i % 8) // 8)
                        for i in range(batch)]
             rates: dict[str, float] = {}

@@ -386,6 +386,7 @@ class ModelRunner:
         if reason is None and (slots < 1 or slot_tokens < 16):
             reason = f"no room for a slot cache ({slots} slots of {slot_tokens} tokens)"
         decoder = None
+        failures = []
         # With CUDA graphs first; a failure there (a kernel that cannot be captured) leaves them off.
         for replay in ([True, False] if graphs else [False]) if reason is None else []:
             try:
@@ -393,9 +394,12 @@ class ModelRunner:
                 with self.torch.inference_mode():
                     reason = self._compare_slot_decode(decoder)
             except (RuntimeError, ValueError) as exc:  # a kernel this device or build lacks
-                reason = f"{type(exc).__name__}: {exc}"
+                LOG.warning("slot decoding %s CUDA graphs failed", "with" if replay else "without", exc_info=True)
+                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             if reason is None:
                 break
+            if decoder is not None and decoder.graphs_on:
+                failures.append(f"CUDA graphs off: {reason}")
             decoder = None
         if reason is not None:
             self.slot_decoder = None
@@ -404,7 +408,7 @@ class ModelRunner:
                         reason)
             return False
         self.slot_decoder = decoder
-        self.decode_path = decoder.describe()
+        self.decode_path = "; ".join([decoder.describe(), *failures])
         return True
 
     def _compare_slot_decode(self, decoder) -> str | None:

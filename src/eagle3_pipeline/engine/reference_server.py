@@ -7,8 +7,10 @@ writes each request's prefill hidden states with ``capture.writer.write_capture`
 ``<capture_dir>/<rid>.safetensors`` before the HTTP response is sent: a client that has the
 response can read the file. The model runs in one worker thread that prefills concurrent
 requests as one right-padded batch and decodes them together, admitting requests that arrive
-meanwhile into the running decode (``engine/batcher.py``); request checking and response
-shapes are in ``engine/api.py``. Without ``--capture-dir`` it captures nothing: a server for
+meanwhile into the running decode (``engine/batcher.py``); requests that need no capture and no
+logprobs (serving, the regeneration) prefill and decode over a KV cache of fixed slots with CUDA
+graphs (``engine/slots.py``, ``--decode slots``, the default) when the model reproduces its full
+forwards there, checked at start; request checking and response shapes are in ``engine/api.py``. Without ``--capture-dir`` it captures nothing: a server for
 serving (regeneration), not for extraction.
 
 Conventions of this engine:

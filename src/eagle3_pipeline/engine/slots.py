@@ -129,7 +129,8 @@ class SlotDecoder:
         self._free = list(range(self.slots))
         self.flash = (self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
                       and self.head_dim <= 256 and hasattr(torch.ops.aten, "_flash_attention_forward"))
-        self.graphs_on = bool(graphs) and self.device.type == "cuda"
+        # Graphs replay fixed kernels: only flash attention reads the slots without host-side lengths.
+        self.graphs_on = bool(graphs) and self.flash
         self._graphs: dict[int, tuple] = {}
         self._pool = None
         self._static: dict[str, torch.Tensor] | None = None
@@ -316,7 +317,8 @@ class SlotDecoder:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the capture writers' copies on other threads go on while this thread captures.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits, _ = self.forward(*args)
         self._graphs[size] = (graph, logits)
         return self._graphs[size]
@@ -342,6 +344,8 @@ class SlotDecoder:
         static["used"][:n].copy_(static["positions"][:n] + 1)
         static["used"][n:size].fill_(1)
         graph.replay()
+        # A copy: the graph's output buffer is the next replay's too (a caller may keep several steps).
+        out = logits[:n].clone()
         # The staging buffer is reused by the next step: wait until this one's copies have left it.
         torch.cuda.current_stream().synchronize()
-        return logits[:n]
+        return out
