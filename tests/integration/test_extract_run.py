@@ -692,8 +692,8 @@ def test_preflight_refuses_a_disk_too_small_with_the_numbers(reference_run, data
 
     assert result.returncode == 2, result.stderr
     tokens = manifest(reference_run)["num_tokens"]
-    assert f"not enough disk: {NUM_SAMPLES} samples to store ({tokens:,} tokens x (3 aux + 1) x {HIDDEN} x 4 bytes)" \
-        in result.stderr
+    assert f"not enough disk: {NUM_SAMPLES} samples to store ({tokens:,} tokens x {4 * HIDDEN * 4 + 5:,} bytes as " \
+           f"float32: (3 aux + 1) x {HIDDEN} x 4 + 5 (ids, mask))" in result.stderr
     assert re.search(rf"need [\d.]+ GiB, {out} has [\d.]+ GiB free", result.stderr), result.stderr
     assert "Nothing was sent." in result.stderr
     assert not list(out.glob("rows_*")) and not (out / "parts").exists()
