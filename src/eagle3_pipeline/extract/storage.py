@@ -56,6 +56,7 @@ FLOAT8_TORCH = torch.float8_e4m3fn
 FLOAT8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 SCALE_DTYPE = torch.float32
 SCALE_BYTES = 4
+QUANTIZE_CHUNK = 1 << 19  # elements quantized at once (2 MiB of float32 temporaries)
 IDS_BYTES = 5  # input_ids int32 + loss_mask uint8, per token
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 HIDDEN_NAMES = ("aux_hidden_states", "last_hidden_states")
@@ -152,13 +153,22 @@ class Layout:
 def quantize(states: torch.Tensor, slices: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, slices * H] states to (values [T, slices * H] float8_e4m3fn, scales [T, slices] float32)."""
     tokens, width = states.shape
-    view = states.reshape(tokens, slices, width // slices)  # [T, k, H]
-    absmax = view.abs().amax(dim=-1).to(SCALE_DTYPE)  # [T, k]
-    scales = absmax / FLOAT8_MAX
-    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
-    scaled = view / divisor[..., None]  # float32 (a bf16 tensor over a float32 one)
-    values = scaled.clamp_(-FLOAT8_MAX, FLOAT8_MAX).to(FLOAT8_TORCH)  # the clamp: x / scale may round past 448
-    return values.reshape(tokens, width), scales
+    values = torch.empty((tokens, width), dtype=FLOAT8_TORCH, device=states.device)
+    scales = torch.empty((tokens, slices), dtype=SCALE_DTYPE, device=states.device)
+    # A few rows at a time: the float32 temporaries stay in the CPU's cache (4 times faster than
+    # whole, measured on a Kimi-shaped sample); every row is quantized on its own anyway.
+    step = max(1, QUANTIZE_CHUNK // width)
+    for start in range(0, tokens, step):
+        rows = states[start:start + step].reshape(-1, slices, width // slices)  # [t, k, H]
+        absmax = rows.abs().amax(dim=-1).to(SCALE_DTYPE)  # [t, k]
+        scale = absmax / FLOAT8_MAX
+        divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+        # In float32, in place: a bf16 tensor divided by a float32 one takes 4 times longer on a CPU.
+        scaled = rows.to(SCALE_DTYPE, copy=True).div_(divisor[..., None])
+        # The clamp: x / scale may round past 448 (e4m3fn has no infinity).
+        values[start:start + step] = scaled.clamp_(-FLOAT8_MAX, FLOAT8_MAX).reshape(-1, width).to(FLOAT8_TORCH)
+        scales[start:start + step] = scale
+    return values, scales
 
 
 def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
