@@ -320,7 +320,7 @@ def test_a_half_converted_dataset_is_refused_by_every_reader_naming_the_command(
     assert store.verify_dataset(bf16_dir)["ok"]
 
 
-def test_converting_back_to_bfloat16_is_refused_with_the_reason(fp8_dir, bf16_dir, tmp_path, capsys):
+def test_back_to_bfloat16_a_float8_source_and_a_copy_into_a_used_directory_are_refused(fp8_dir, bf16_dir, tmp_path, capsys):
     assert run_convert(fp8_dir, to="bfloat16") == 2
     assert "restore no precision" in capsys.readouterr().err
     assert run_convert(fp8_dir, "--copy-to", str(tmp_path / "c")) == 2
@@ -329,6 +329,10 @@ def test_converting_back_to_bfloat16_is_refused_with_the_reason(fp8_dir, bf16_di
     (tmp_path / "full" / "x").write_text("x")
     assert run_convert(bf16_dir, "--copy-to", str(tmp_path / "full")) == 2
     assert "is not empty" in capsys.readouterr().err
+    locked = tmp_path / "locked" / store.PARTS_DIR
+    locked.mkdir(parents=True)
+    (locked / "part-0-of-2.lock").write_text("123\n")  # a run killed after taking the locks, before its journal
+    assert run_convert(bf16_dir, "--copy-to", str(locked.parent)) == 0
 
 
 def test_a_rerun_of_the_extraction_with_another_storage_dtype_is_refused_naming_the_conversion(bf16_dir):

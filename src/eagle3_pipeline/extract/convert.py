@@ -169,7 +169,9 @@ def _check_start(cfg: ConvertConfig) -> tuple[dict, bool]:
             if same and storage.Layout.of(done).quantized:
                 return manifest, True
             raise ConvertError(f"--copy-to {cfg.copy_to} holds another dataset; choose an empty directory")
-        if not journal.exists() and cfg.dest.is_dir() and any(cfg.dest.iterdir()):
+        # Only the parts' locks there: a run killed just after taking them, before its journal began.
+        if not journal.exists() and cfg.dest.is_dir() and any(
+                p.is_file() and p.suffix != ".lock" for p in cfg.dest.rglob("*")):
             raise ConvertError(f"--copy-to {cfg.copy_to} is not empty; choose an empty (or new) directory")
     elif storage.Layout.of(manifest).quantized and not journal.exists():
         return manifest, True
