@@ -320,7 +320,7 @@ def test_a_half_converted_dataset_is_refused_by_every_reader_naming_the_command(
     assert store.verify_dataset(bf16_dir)["ok"]
 
 
-def test_back_to_bfloat16_a_float8_source_and_a_copy_into_a_used_directory_are_refused(fp8_dir, bf16_dir, tmp_path, capsys):
+def test_back_to_bfloat16_a_float8_source_and_a_used_copy_directory_are_refused(fp8_dir, bf16_dir, tmp_path, capsys):
     assert run_convert(fp8_dir, to="bfloat16") == 2
     assert "restore no precision" in capsys.readouterr().err
     assert run_convert(fp8_dir, "--copy-to", str(tmp_path / "c")) == 2
