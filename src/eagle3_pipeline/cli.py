@@ -99,6 +99,8 @@ MODULE_COMMANDS = {
                       "merge"),
     "verify": ("eagle3_pipeline.extract.commands", "re-check an extracted dataset against its manifest", "verify"),
     "progress": ("eagle3_pipeline.extract.commands", "show an extraction's progress", "progress"),
+    "convert-storage": ("eagle3_pipeline.extract.convert",
+                        "store an extracted dataset's hidden states as float8 (half the bytes), in place or in a copy"),
     "regenerate": ("eagle3_pipeline.regenerate.job",
                    "answer every assistant turn of a dataset again with the target itself, through its server"),
     "regenerate-merge": ("eagle3_pipeline.regenerate.job",

@@ -232,3 +232,31 @@ def test_an_unreachable_server_fails_naming_it(workdir, tmp_path_factory):
     assert [f["task"] for f in failed] == ["Fail when the extraction cannot run as set"], run.stdout
     assert f"the capture server at http://127.0.0.1:{port} does not answer" in failed[0]["res"]["msg"]
     assert not list((workdir / "jobs").glob("*.json")), "a job was started"
+
+
+def test_float8_storage_is_one_variable_and_a_rerun_with_the_other_fails_naming_the_conversion(
+    workdir, start_server, tmp_path_factory
+):
+    port = start_server("fp8")
+    extravars = {**extraction_vars(workdir, 6), "sglang_server_port": port, "extraction_storage_dtype": "float8_e4m3"}
+    data = workdir / "data"
+
+    run = run_playbook(tmp_path_factory, LOCAL_INVENTORY, extravars)
+
+    assert run.status == "successful", run.stdout
+    manifest = json.loads((data / "data_config.json").read_text())
+    assert (manifest["storage_dtype"], manifest["storage"]["quantized"]) == ("float8_e4m3", True)
+    summary = "\n".join(run.summary())
+    assert "1 shard(s), hidden states stored as float8_e4m3)" in summary
+    assert "verified: 6 files against the manifest (checksums, shapes, dtypes and values): all good" in summary
+    before = snapshot(data)
+
+    other = run_playbook(tmp_path_factory, LOCAL_INVENTORY, {**extravars, "extraction_storage_dtype": "bfloat16"})
+
+    assert other.status == "failed", other.stdout
+    failed = other.failures()
+    assert [f["task"] for f in failed] == ["Fail when the extraction cannot run as set"], other.stdout
+    message = failed[0]["res"]["msg"]
+    assert "storage_dtype: recorded 'float8_e4m3', now None" in message
+    assert f"eagle3-pipeline convert-storage {data} --to float8_e4m3" in message
+    assert snapshot(data) == before, "a refused run wrote nothing"

@@ -692,8 +692,8 @@ def test_preflight_refuses_a_disk_too_small_with_the_numbers(reference_run, data
 
     assert result.returncode == 2, result.stderr
     tokens = manifest(reference_run)["num_tokens"]
-    assert f"not enough disk: {NUM_SAMPLES} samples to store ({tokens:,} tokens x (3 aux + 1) x {HIDDEN} x 4 bytes)" \
-        in result.stderr
+    assert f"not enough disk: {NUM_SAMPLES} samples to store ({tokens:,} tokens x {4 * HIDDEN * 4 + 5:,} bytes as " \
+           f"float32: (3 aux + 1) x {HIDDEN} x 4 + 5 (ids, mask))" in result.stderr
     assert re.search(rf"need [\d.]+ GiB, {out} has [\d.]+ GiB free", result.stderr), result.stderr
     assert "Nothing was sent." in result.stderr
     assert not list(out.glob("rows_*")) and not (out / "parts").exists()
@@ -774,3 +774,111 @@ def test_two_parts_on_two_servers_merge_into_the_one_part_dataset(reference_run,
     assert_same_samples(out, reference_run)
     again = run_cli([*CLI, "extract-merge", str(out)])
     assert again.returncode == 0 and json.loads(again.stdout)["changed"] is False
+
+
+# -- (j) float8 storage ------------------------------------------------------------------------
+FLOAT8 = "float8_e4m3"
+
+
+def data_files(out: Path) -> dict[str, bytes]:
+    """The dataset's data and manifests, byte for byte (locks, progress and logs are status)."""
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file() and p.suffix not in (".lock", ".log") and not p.name.endswith(".progress.json")}
+
+
+def test_float8_extraction_verifies_first_and_stores_what_convert_storage_makes_of_the_unquantized_run(
+    reference_run, dataset, servers, tmp_path
+):
+    from eagle3_pipeline.extract.storage import compare_datasets  # noqa: PLC0415
+
+    out, converted = tmp_path / "fp8", tmp_path / "converted"
+    command = extract_command(dataset, out, servers["main"].url, "--storage-dtype", FLOAT8)
+
+    result = run_cli(command)
+
+    assert result.returncode == 0, result.stderr
+    data = manifest(out)
+    assert (data["storage_dtype"], data["dtype"], data["storage"]["read_as"]) == (FLOAT8, "float32", "float32")
+    assert data["storage"]["bytes_per_token"] == (len(AUX_LAYERS) + 1) * (HIDDEN + 4) + 5
+    assert verify_dataset(out)["ok"]
+    stored = load_file(str(out / data["shards"][SHARDS[0]]["files"][0]["file"]))
+    assert stored["aux_hidden_states"].dtype == torch.float8_e4m3fn and stored["aux_hidden_scales"].shape[1] == 3
+    # The top-1 check ran on the captured (float32) states: every sample checked as in the unquantized run.
+    checks = {r["key"]: (r["checked_positions"], r["near_ties"]) for r in journal_records(out)}
+    assert checks == {r["key"]: (r["checked_positions"], r["near_ties"]) for r in journal_records(reference_run)}
+
+    converting = run_cli([*CLI, "convert-storage", str(reference_run), "--to", FLOAT8, "--copy-to", str(converted)])
+
+    assert converting.returncode == 0, converting.stderr
+    assert json.loads(converting.stdout)["converted"] == NUM_SAMPLES
+    ours, theirs = data_files(out), data_files(converted)
+    for name in ["data_config.json", "extraction.json", "token_counts.safetensors", "parts/part-0-of-1.json",
+                 *(entry["file"] for shard in data["shards"].values() for entry in shard["files"])]:
+        assert ours[name] == theirs[name], f"{name}: the conversion differs from the float8 extraction"
+    compared = compare_datasets(reference_run, out)
+    assert compared["quantized"]["formula_bytes_per_token"] == 1045
+    assert compared["reference"]["formula_bytes_per_token"] == 4101
+    assert compared["bytes_ratio"] < 0.3
+    for layer in ("aux 0", "aux 1", "aux 2", "last"):
+        assert compared["layers"][layer]["err_over_absmax_worst"] <= 1 / 28 * (1 + 2.0**-20)
+        assert compared["layers"][layer]["rel_l2_mean"] < 2.0**-4
+    before = snapshot(out)
+
+    rerun = run_cli(command)
+
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"{NUM_SAMPLES} already stored" in rerun.stderr
+    assert snapshot(out) == before
+
+
+def test_convert_storage_killed_at_random_moments_then_rerun_ends_identical_to_an_uninterrupted_one(
+    reference_run, dataset, servers, background, tmp_path, tiny_model
+):
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    shutil.copytree(reference_run, whole)
+    shutil.copytree(reference_run, killed)
+    convert_command = [*CLI, "convert-storage", "--to", FLOAT8, "--threads", "1"]
+    assert run_cli([*convert_command, str(whole)]).returncode == 0
+    journal = killed / "storage-conversion.journal.jsonl"
+
+    def converted() -> int:
+        records = Journal(journal).load(repair=False).values() if journal.exists() else []
+        return sum(1 for r in records if r.get("status") == "ok")
+
+    rng = random.Random(13)
+    kills = []
+    while len(kills) < 3:
+        already = converted()
+        run = background([*convert_command, str(killed), "--max-read-mib-s", "12"], "convert")
+        wait_until(lambda: converted() > already or not run.running(), "a file converted")  # noqa: B023
+        time.sleep(rng.uniform(0.0, 0.2))
+        assert run.running(), f"the conversion ended before kill {len(kills) + 1}: {run.output()}"
+        run.signal(signal.SIGKILL)
+        assert run.wait() == -signal.SIGKILL
+        kills.append(converted())
+        # Half float32, half float8: refused by every reader, naming the command that finishes it.
+        finish = f"eagle3-pipeline convert-storage {killed} --to {FLOAT8}"
+        train = run_cli([*CLI, "train", "--data-dir", str(killed), "--output-dir", str(tmp_path / "run"), "--check"])
+        verify = run_cli([*CLI, "verify", str(killed)])
+        extract = run_cli(extract_command(dataset, killed, servers["main"].url))
+        for refused in (train, verify, extract):
+            assert refused.returncode == 2 and "a storage conversion is unfinished there" in refused.stderr, refused
+            assert finish in refused.stderr
+    assert 0 < kills[0] <= kills[-1] < NUM_SAMPLES, kills
+
+    final = run_cli([*convert_command, str(killed)])
+
+    assert final.returncode == 0, final.stderr
+    assert f"{kills[-1]} converted already" in final.stderr
+    assert data_files(killed) == data_files(whole)
+    assert verify_dataset(killed)["ok"] and not journal.exists()
+    assert list(killed.glob("rows_*/.*.tmp")) == []
+    # Converted in place, the dataset is as the float8 extraction keeps it: a rerun finds every sample stored.
+    before = snapshot(killed)
+    rerun = run_cli(extract_command(dataset, killed, servers["main"].url, "--storage-dtype", FLOAT8))
+    assert rerun.returncode == 0 and f"{NUM_SAMPLES} already stored" in rerun.stderr, rerun.stderr
+    assert snapshot(killed) == before
+    trained = run_cli([*CLI, "train", "--data-dir", str(killed), "--output-dir", str(tmp_path / "run"),
+                       "--max-steps", "2", "--ttt-length", "2", "--draft-vocab-size", "64", "--no-charts",
+                       "--no-tensorboard"])
+    assert trained.returncode == 0, trained.stderr

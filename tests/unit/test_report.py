@@ -494,3 +494,23 @@ def test_a_malformed_verdict_still_renders_and_fails_without_inventing_figures(t
     assert "one string, not a list" not in verdict and "Likely causes" not in verdict
     assert "failed, naming no draft position below its prediction" in verdict
     assert "- - - (no simulation recorded) - none (too few rounds)" in verdict
+
+
+def test_the_extraction_shows_its_storage_and_an_unfinished_conversion_is_not_measured(tmp_path):
+    out = make_run(tmp_path / "run")
+    manifest_path = out / "data" / "data_config.json"
+    assert report(out) == 0
+    assert "hidden states stored as bfloat16 (as captured)" in squeeze(outline(out).section("extraction")["text"])
+
+    manifest = json.loads(manifest_path.read_text())
+    manifest_path.write_text(json.dumps({**manifest, "storage_dtype": "float8_e4m3", "storage": {
+        "dtype": "float8_e4m3", "quantized": True, "read_as": "bfloat16", "scales": {"dtype": "float32"}}}))
+    assert report(out) == 0
+    assert ("hidden states stored as float8_e4m3, one float32 scale per token and captured layer; read back as "
+            "bfloat16") in squeeze(outline(out).section("extraction")["text"])
+
+    (out / "data" / "storage-conversion.journal.jsonl").write_text("")
+    assert report(out) == 0
+    text = squeeze(outline(out).section("extraction")["text"])
+    assert f"a storage conversion is unfinished in {out / 'data'}" in text
+    assert f"`eagle3-pipeline convert-storage {out / 'data'} --to float8_e4m3`" in text

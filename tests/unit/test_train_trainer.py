@@ -8,8 +8,9 @@ import shutil
 
 import pytest
 import torch
-from train_fixtures import HIDDEN, VOCAB, build_data, build_target
+from train_fixtures import HIDDEN, NUM_SAMPLES, VOCAB, build_data, build_target
 
+from eagle3_pipeline.extract.convert import ConvertConfig, convert_storage
 from eagle3_pipeline.train import export as ex
 from eagle3_pipeline.train import trainer as tr
 from eagle3_pipeline.train.data import DataError
@@ -143,3 +144,18 @@ def test_an_unset_batch_is_chosen_by_the_drafters_width(data_dir, tmp_path):
     plan = make_plan(config(data_dir, tmp_path / "out", batch_tokens=None))
     assert plan.cfg.batch_tokens == auto_batch_tokens(plan.drafter_config.hidden_size) == 32768
     assert plan.fixed["batch_tokens"] == 32768  # a resume checks the batch it actually used
+
+
+def test_training_from_float8_data_follows_the_unquantized_run(data_dir, tmp_path):
+    fp8 = tmp_path / "fp8"
+    assert convert_storage(ConvertConfig(data_dir, copy_to=fp8, quiet=True))["converted"] == NUM_SAMPLES
+
+    tr.train(config(data_dir, tmp_path / "float32", max_steps=20))
+    tr.train(config(fp8, tmp_path / "float8", max_steps=20))
+
+    reference, quantized = train_losses(tmp_path / "float32"), train_losses(tmp_path / "float8")
+    assert [step for step, _ in quantized] == [step for step, _ in reference] == list(range(1, 21))
+    differences = [abs(q - r) / r for (_, q), (_, r) in zip(quantized, reference, strict=True)]
+    assert 0 < max(differences) < 0.05, differences
+    losses = [loss for _, loss in quantized]
+    assert sum(losses[-5:]) < 0.85 * sum(losses[:5])

@@ -66,6 +66,7 @@ def incomplete_path(capture_dir: str | os.PathLike, rid: str) -> Path:
 _SAFETENSORS_DTYPES = {
     torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
     torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",  # hidden states stored as float8 (extract/storage.py)
 }
 
 

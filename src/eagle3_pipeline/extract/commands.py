@@ -15,11 +15,13 @@ def configure_merge(parser: argparse.ArgumentParser) -> None:
 
 def run_merge(args: argparse.Namespace) -> int:
     """Merge every part's manifest into data_config.json; print a JSON summary."""
-    from eagle3_pipeline.extract.store import StoreError, merge  # noqa: PLC0415
+    from eagle3_pipeline.extract.storage import refuse_unfinished_conversion  # noqa: PLC0415
+    from eagle3_pipeline.extract.store import merge  # noqa: PLC0415
 
     try:
+        refuse_unfinished_conversion(args.data_dir)
         manifest, changed = merge(args.data_dir)
-    except (StoreError, OSError) as exc:
+    except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     summary = {key: manifest[key] for key in ("num_samples", "num_tokens", "num_loss_tokens", "bytes", "parts")}
@@ -51,7 +53,8 @@ def run_verify(args: argparse.Namespace) -> int:
         what = "checksums, shapes, dtypes, finite values" if report["deep"] else "sizes"
         print(f"{args.data_dir}: {report['checked']} files checked ({what}): "
               f"{'all good' if report['ok'] else str(len(report['problems'])) + ' problem(s)'}; "
-              f"{report['num_samples']} samples, {report['num_tokens']:,} tokens, {report['bytes'] / 2**30:.2f} GiB; "
+              f"{report['num_samples']} samples, {report['num_tokens']:,} tokens, {report['bytes'] / 2**30:.2f} GiB "
+              f"({report['storage_dtype']}); "
               f"{report['skipped']} skipped and {report['failed']} failed records listed in the manifest")
         for problem in report["problems"]:
             print(f"  problem: {problem}")

@@ -17,6 +17,9 @@ coordination and write into one shared output directory. The steps:
 5. write the part's manifest; with one part (and without ``--no-merge``) merge it into
    ``D/data_config.json``.
 
+``--storage-dtype float8_e4m3`` stores the states quantized (``storage.py``), after the checks
+of step 4 ran on them as captured.
+
 SIGTERM (the supervisor's stop) and SIGINT stop sending, let the requests in flight finish
 and be stored, and exit; a rerun continues. A kill -9 loses at most the samples in flight.
 """
@@ -43,7 +46,8 @@ from eagle3_pipeline.progress_file import ProgressReporter
 from eagle3_pipeline.work_window import run_window
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_UNREACHABLE, EXIT_STOPPED = 0, 1, 2, 3, 4
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# storage.STORAGE_DTYPES, named here too: that module imports torch, this one not until a run starts.
+STORAGE_DTYPES = ("bfloat16", "float8_e4m3")
 RID_PREFIX = "e3x"
 HEADER_BYTES = 400  # a sample file's safetensors header, about
 WRITERS = 2  # threads storing samples beyond the requests in flight
@@ -85,6 +89,7 @@ class ExtractConfig:
     merge: bool = True
     quiet: bool = False
     trust_remote_code: bool = False
+    storage_dtype: str = "bfloat16"  # as captured; or float8_e4m3: quantized after verification (storage.py)
 
 
 @dataclass
@@ -125,6 +130,8 @@ def _sha256_file(path: Path) -> str | None:
 
 
 def _dtype_name(server_dtype: str | None, config: dict) -> str:
+    from eagle3_pipeline.extract.storage import DTYPE_BYTES  # noqa: PLC0415
+
     if server_dtype in DTYPE_BYTES:
         return server_dtype
     configured = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16").removeprefix("torch.")
@@ -136,7 +143,7 @@ def data_settings(facts, model_path: Path, renderer, cfg: ExtractConfig) -> dict
     config = read_text_config(model_path)
     tokenizer_files = {name: _sha256_file(model_path / name) for name in ("tokenizer.json", "tokenizer_config.json",
                                                                             "tokenizer.model")}
-    return {
+    settings = {
         "target_model_path": str(model_path),
         "target_config_sha256": _sha256_file(model_path / "config.json"),
         "tokenizer_sha256": {k: v for k, v in tokenizer_files.items() if v},
@@ -155,12 +162,15 @@ def data_settings(facts, model_path: Path, renderer, cfg: ExtractConfig) -> dict
         "overflow": cfg.overflow,
         "shard_size": cfg.shard_size,
     }
+    if cfg.storage_dtype == STORAGE_DTYPES[1]:  # recorded only when quantized: unquantized data keeps its settings
+        settings["storage_dtype"] = cfg.storage_dtype
+    return settings
 
 
 def _settings_hash(settings: dict) -> str:
-    from eagle3_pipeline.extract.store import INFORMATIONAL_SETTINGS  # noqa: PLC0415
+    from eagle3_pipeline.extract.store import INFORMATIONAL_SETTINGS, STORAGE_SETTINGS  # noqa: PLC0415
 
-    shaping = {k: v for k, v in settings.items() if k not in INFORMATIONAL_SETTINGS}
+    shaping = {k: v for k, v in settings.items() if k not in INFORMATIONAL_SETTINGS + STORAGE_SETTINGS}
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()
 
 
@@ -184,10 +194,12 @@ def make_plan(cfg: ExtractConfig, client, dry: bool = False, facts=None) -> Plan
     from eagle3_pipeline.extract import store  # noqa: PLC0415
     from eagle3_pipeline.extract.client import engine_facts  # noqa: PLC0415
     from eagle3_pipeline.extract.dataset import Skip, read_dataset  # noqa: PLC0415
+    from eagle3_pipeline.extract.storage import refuse_unfinished_conversion  # noqa: PLC0415
     from eagle3_pipeline.extract.template import SampleError, fit_length, load_renderer  # noqa: PLC0415
 
     if not cfg.dataset.is_file():
         raise FileNotFoundError(f"dataset {cfg.dataset} does not exist")
+    refuse_unfinished_conversion(cfg.output_dir)
     facts = facts or engine_facts(client.server_info())
     model_path = Path(cfg.model_path or facts.model_path)
     if not (model_path / "config.json").is_file():
@@ -246,10 +258,15 @@ def make_plan(cfg: ExtractConfig, client, dry: bool = False, facts=None) -> Plan
     return plan
 
 
-def estimate_bytes(tokens: int, settings: dict) -> int:
-    """Bytes on disk for ``tokens`` tokens: (n_aux + 1) x H x dtype size per token, plus ids and mask."""
-    per_token = (len(settings["aux_layers"]) + 1) * settings["hidden_size"] * DTYPE_BYTES[settings["dtype"]] + 5
-    return tokens * per_token
+def estimate_bytes(tokens: int, settings: dict, captured: bool = False) -> int:
+    """Bytes on disk for ``tokens`` tokens as stored (``Layout.bytes_per_token``: float8 values and
+    scales, or the target's dtype; plus ids and mask), or as the engine's ``captured`` files hold them."""
+    from eagle3_pipeline.extract.storage import DTYPE_BYTES, Layout  # noqa: PLC0415
+
+    layout = Layout.of(settings)
+    if captured:
+        return tokens * (layout.n_aux + 1) * layout.hidden * DTYPE_BYTES[layout.dtype]
+    return tokens * layout.bytes_per_token()
 
 
 def _gib(n: float) -> str:
@@ -258,23 +275,25 @@ def _gib(n: float) -> str:
 
 def check_room(cfg: ExtractConfig, plan: Plan) -> None:
     """Refuse to start, with the numbers, when the output or capture filesystem is too small."""
+    from eagle3_pipeline.extract.storage import Layout  # noqa: PLC0415
     from eagle3_pipeline.extract.store import StoreError  # noqa: PLC0415
 
+    layout = Layout.of(plan.settings)
     tokens = sum(len(p.input_ids) for p in plan.todo)
     need = estimate_bytes(tokens, plan.settings) + HEADER_BYTES * len(plan.todo)
     usage = shutil.disk_usage(cfg.output_dir)
     margin = min(usage.total // 100, 1 << 30)
     if need > usage.free - margin:
         raise StoreError(
-            f"not enough disk: {len(plan.todo):,} samples to store ({tokens:,} tokens x "
-            f"({len(plan.settings['aux_layers'])} aux + 1) x {plan.settings['hidden_size']} x "
-            f"{DTYPE_BYTES[plan.settings['dtype']]} bytes) need {_gib(need)}, {cfg.output_dir} has {_gib(usage.free)} "
-            f"free (keeping {_gib(margin)} spare); free space, lower extraction_num_samples, or choose another "
-            "extraction_output_dir. Nothing was sent."
+            f"not enough disk: {len(plan.todo):,} samples to store ({tokens:,} tokens x {layout.bytes_per_token():,} "
+            f"bytes as {layout.storage}: {layout.formula()}) need {_gib(need)}, {cfg.output_dir} has "
+            f"{_gib(usage.free)} free (keeping {_gib(margin)} spare); free space, lower extraction_num_samples, "
+            "store float8 (extraction_storage_dtype: float8_e4m3), or choose another extraction_output_dir. "
+            "Nothing was sent."
         )
     if plan.todo:
         longest = max(len(p.input_ids) for p in plan.todo)
-        capture_need = window_size(cfg) * estimate_bytes(longest, plan.settings)
+        capture_need = window_size(cfg) * estimate_bytes(longest, plan.settings, captured=True)
         capture_free = shutil.disk_usage(cfg.capture_dir).free
         if capture_need > capture_free:
             raise StoreError(
@@ -359,6 +378,7 @@ class SampleWorker:
         self.n_aux = len(plan.settings["aux_layers"])
         self.hidden = plan.settings["hidden_size"]
         self.dtype = plan.settings["dtype"]
+        self.storage_dtype = plan.settings.get("storage_dtype")
         self.stopping = threading.Event()
         # Request ids differ between runs: a killed run's requests may still be in the server
         # ("Duplicate request ID") or write their captures late.
@@ -415,9 +435,10 @@ class SampleWorker:
                                           self.cfg.verify_tolerance)
             ids = torch.frombuffer(bytearray(prep.input_ids.tobytes()), dtype=torch.int32)
             mask = torch.frombuffer(bytearray(prep.loss_mask.tobytes()), dtype=torch.uint8)
-            size, sha = store.write_sample(
+            size, sha = store.write_sample(  # quantized here, when asked: after the checks above
                 self.cfg.output_dir / prep.file, ids, mask, aux, last,
                 {"format": store.FORMAT, "id": prep.sample_id, "line": str(prep.line), "key": prep.key},
+                self.storage_dtype,
             )
         finally:
             capture_path(self.cfg.capture_dir, rid).unlink(missing_ok=True)
@@ -728,6 +749,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="where lm_head runs for the check; cpu by default: on the server's GPU the check's "
                         "kernels time-slice with the server's (measured on an H200: 8%% fewer tokens/s)")
     parser.add_argument("--max-skip-ratio", type=float, default=0.05)
+    parser.add_argument("--storage-dtype", choices=list(STORAGE_DTYPES), default=STORAGE_DTYPES[0],
+                        help="how the hidden states are stored: bfloat16 (as captured, in the target's dtype) or "
+                        "float8_e4m3 (half the bytes: per-token, per-layer scales; quantized after verification)")
     parser.add_argument("--retries", type=int, default=5, help="retries of a request on transient failures")
     parser.add_argument("--request-timeout-s", type=float, default=600.0)
     parser.add_argument("--check", action="store_true", help="print what a run would do as JSON; send nothing")
@@ -772,7 +796,7 @@ def config_from_args(args: argparse.Namespace) -> ExtractConfig:
         verify_tolerance=args.verify_tolerance,
         verify_device=args.verify_device, max_skip_ratio=args.max_skip_ratio, retries=args.retries,
         request_timeout_s=args.request_timeout_s, merge=not args.no_merge, quiet=args.quiet,
-        trust_remote_code=args.trust_remote_code,
+        trust_remote_code=args.trust_remote_code, storage_dtype=args.storage_dtype,
     )
 
 

@@ -6,6 +6,7 @@ Layout of an output directory ``D``::
                                       runs and other hosts must match it, or are refused)
     D/rows_<a>-<b>/<stem>.safetensors one verified sample: input_ids [T] int32, loss_mask [T] uint8,
                                       aux_hidden_states [T, n_aux*H], last_hidden_states [T, H]
+                                      (float8 with per-token scales beside them: storage.py)
     D/parts/part-K-of-N.journal.jsonl one line per sample stored (or failed) by part K of N
     D/parts/part-K-of-N.json          the part's manifest, written when the part is complete
     D/parts/part-K-of-N.progress.json progress of the running part (for the role and the CLI)
@@ -27,7 +28,7 @@ import json
 import os
 import tempfile
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from safetensors import SafetensorError, safe_open
 from eagle3_pipeline.atomic import atomic_write, atomic_write_text
 from eagle3_pipeline.capture.writer import save_safetensors
 from eagle3_pipeline.checksum import file_sha256  # noqa: F401 - also this module's public name
+from eagle3_pipeline.extract import storage
 
 FORMAT = "eagle3-pipeline/hidden-states"
 FORMAT_VERSION = 1
@@ -46,6 +48,9 @@ TOKEN_COUNTS_FILE = "token_counts.safetensors"
 PARTS_DIR = "parts"
 # Recorded for the reader, but not compared between runs: they do not change the stored values.
 INFORMATIONAL_SETTINGS = ("target_model_path", "engine_version", "chat_template_file")
+# Compared between runs, but not part of a sample's key: how the values are stored, not which
+# values; convert-storage changes it and the journals' keys stay valid.
+STORAGE_SETTINGS = ("storage_dtype",)
 SAMPLE_SUFFIX = ".safetensors"
 
 
@@ -76,12 +81,24 @@ def parse_part(text: str) -> tuple[int, int]:
 
 
 def write_sample(path: Path, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor,
-                 last: torch.Tensor, metadata: dict[str, str]) -> tuple[int, str]:
-    """Write one sample atomically; return (bytes, sha256) computed while writing."""
-    tensors = {"input_ids": input_ids, "loss_mask": loss_mask, "aux_hidden_states": aux, "last_hidden_states": last}
+                 last: torch.Tensor, metadata: dict[str, str], storage_dtype: str | None = None,
+                 on_written: Callable[[int, str], None] | None = None) -> tuple[int, str]:
+    """Write one sample atomically; return (bytes, sha256) computed while writing.
+
+    ``storage_dtype`` ``float8_e4m3`` stores the states quantized (``storage.sample_tensors``).
+    ``on_written(bytes, sha256)`` runs once the temp file is whole, before it takes the sample's
+    name (``convert-storage`` journals the new checksum there).
+    """
+    tensors = storage.sample_tensors(input_ids, loss_mask, aux, last, storage_dtype)
     digest = hashlib.sha256()
     sizes = []
-    atomic_write(path, lambda tmp: sizes.append(save_safetensors(tensors, tmp, metadata, digest)))
+
+    def write(tmp: str) -> None:
+        sizes.append(save_safetensors(tensors, tmp, metadata, digest))
+        if on_written is not None:
+            on_written(sizes[-1], digest.hexdigest())
+
+    atomic_write(path, write)
     return sizes[-1], digest.hexdigest()
 
 
@@ -95,7 +112,7 @@ def claim_settings(out_dir: Path, settings: dict, create: bool = True, *, file_n
     only compares (when the file exists). ``what`` says what the directory holds, in that message.
     """
     path = out_dir / file_name
-    text = json.dumps(settings, indent=2, sort_keys=True) + "\n"
+    text = settings_text(settings)
     if not create and not path.exists():
         return False
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -113,14 +130,24 @@ def claim_settings(out_dir: Path, settings: dict, create: bool = True, *, file_n
                         if key not in INFORMATIONAL_SETTINGS and recorded.get(key) != settings.get(key))
         if differ:
             lines = "; ".join(f"{key}: recorded {recorded.get(key)!r}, now {settings.get(key)!r}" for key in differ)
+            hint = ""
+            if set(differ) <= set(STORAGE_SETTINGS):
+                hint = (f" (storage_dtype unset means as captured; set extraction_storage_dtype to what the data is "
+                        f"stored in, or convert the stored data: eagle3-pipeline convert-storage {out_dir} --to "
+                        f"{storage.FLOAT8})")
             raise StoreError(
-                f"{out_dir} holds {what} with other settings ({lines}); use another output directory, "
+                f"{out_dir} holds {what} with other settings ({lines}){hint}; use another output directory, "
                 "or delete that one to start over"
             ) from None
         return False
     finally:
         os.unlink(tmp)
     return True
+
+
+def settings_text(settings: dict) -> str:
+    """``extraction.json``'s text for ``settings``."""
+    return json.dumps(settings, indent=2, sort_keys=True) + "\n"
 
 
 def read_settings(out_dir: Path) -> dict:
@@ -160,8 +187,20 @@ class Journal:
             records[record["key"]] = record
         return records
 
+    @staticmethod
+    def _line(record: dict) -> str:
+        return json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n"
+
+    def rewrite(self, records: Iterable[dict]) -> bool:
+        """Replace the journal, atomically, by ``records`` (one line each); True when it changed.
+
+        Only while nothing appends to it (``convert-storage`` holds the part's lock).
+        """
+        self.close()
+        return write_if_changed(self.path, "".join(self._line(record) for record in records))
+
     def append(self, record: dict) -> None:
-        line = json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n"
+        line = self._line(record)
         with self._lock:
             if self._handle is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -298,6 +337,7 @@ def merge(out_dir: Path) -> tuple[dict, bool]:
         "failed": failed,
         "token_counts": {"file": TOKEN_COUNTS_FILE, "sha256": file_sha256(counts_path),
                          "loss_tokens": int(token_counts.sum())},
+        "storage": storage.Layout.of(settings).describe(),
     }
     changed = write_if_changed(out_dir / MANIFEST_FILE, _dump(manifest))
     return manifest, changed or counts_changed
@@ -305,7 +345,7 @@ def merge(out_dir: Path) -> tuple[dict, bool]:
 
 # -- verify -------------------------------------------------------------------------------
 def _check_file(  # noqa: PLR0911 - one return per problem found
-    out_dir: Path, entry: dict, n_aux: int, hidden: int, dtype: str, deep: bool
+    out_dir: Path, entry: dict, layout: storage.Layout, deep: bool
 ) -> str | None:
     path = out_dir / entry["file"]
     try:
@@ -323,18 +363,9 @@ def _check_file(  # noqa: PLR0911 - one return per problem found
             tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 - not a dict
     except (SafetensorError, OSError, RuntimeError) as exc:
         return f"{entry['file']}: unreadable: {exc}"
-    tokens = entry["tokens"]
-    want = {"input_ids": (tokens,), "loss_mask": (tokens,), "aux_hidden_states": (tokens, n_aux * hidden),
-            "last_hidden_states": (tokens, hidden)}
-    for name, shape in want.items():
-        if name not in tensors or tuple(tensors[name].shape) != shape:
-            got = tuple(tensors[name].shape) if name in tensors else "absent"
-            return f"{entry['file']}: {name} is {got}, expected {shape}"
-    for name in ("aux_hidden_states", "last_hidden_states"):
-        if str(tensors[name].dtype).removeprefix("torch.") != dtype:
-            return f"{entry['file']}: {name} is {tensors[name].dtype}, the manifest says {dtype}"
-        if not bool(torch.isfinite(tensors[name]).all()):
-            return f"{entry['file']}: {name} has NaN or inf values"
+    problem = storage.check_tensors(tensors, layout, entry["tokens"], out_dir, finite=True)
+    if problem:
+        return f"{entry['file']}: {problem}"
     if int(tensors["loss_mask"].sum()) != entry["loss_tokens"]:
         return f"{entry['file']}: loss_mask has {int(tensors['loss_mask'].sum())} ones, the manifest says " \
                f"{entry['loss_tokens']}"
@@ -346,11 +377,12 @@ def verify_dataset(out_dir: Path, deep: bool = True, threads: int = 4) -> dict:
     manifest_path = out_dir / MANIFEST_FILE
     if not manifest_path.is_file():
         raise StoreError(f"{out_dir}: no {MANIFEST_FILE}; the extraction has not completed (or merged) there")
+    storage.refuse_unfinished_conversion(out_dir)
     manifest = json.loads(manifest_path.read_text())
     entries = [entry for shard in manifest["shards"].values() for entry in shard["files"]]
-    n_aux, hidden, dtype = len(manifest["aux_layers"]), manifest["hidden_size"], manifest["dtype"]
+    layout = storage.Layout.of(manifest)
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        results = list(pool.map(lambda e: _check_file(out_dir, e, n_aux, hidden, dtype, deep), entries))
+        results = list(pool.map(lambda e: _check_file(out_dir, e, layout, deep), entries))
     problems = [r for r in results if r]
     listed = {entry["file"] for entry in entries}
     extra = sorted(
@@ -370,6 +402,7 @@ def verify_dataset(out_dir: Path, deep: bool = True, threads: int = 4) -> dict:
         "num_samples": manifest["num_samples"],
         "num_tokens": manifest["num_tokens"],
         "bytes": manifest["bytes"],
+        "storage_dtype": layout.storage,
         "skipped": len(manifest["skipped"]),
         "failed": len(manifest["failed"]),
     }

@@ -42,6 +42,7 @@ from eagle3_pipeline.train.charts import (
 # File names the stages write (the writers' modules import torch, so the names are repeated here).
 MANIFEST_FILE = "data_config.json"  # extract/store.py MANIFEST_FILE
 PARTS_DIR = "parts"  # extract/store.py PARTS_DIR
+CONVERSION_JOURNAL = "storage-conversion.journal.jsonl"  # extract/storage.py CONVERSION_JOURNAL
 PROGRESS_SUFFIX = ".progress.json"
 TRAINING_FILE = "training.json"  # train/trainer.py TRAINING_FILE
 DRAFTER_DIR = "drafter"  # train/trainer.py DRAFTER_DIR
@@ -209,6 +210,10 @@ class ExtractionStats:
 def read_extraction(data_dir: Path) -> ExtractionStats:
     """``data_config.json`` and ``parts/*.progress.json`` of an extraction's output directory."""
     manifest_path = data_dir / MANIFEST_FILE
+    if (data_dir / CONVERSION_JOURNAL).exists():  # the manifest describes only the files not yet converted
+        return ExtractionStats(data_dir, None, reason=(
+            f"not measured: a storage conversion is unfinished in {data_dir} (its files mix storage dtypes); "
+            f"finish it with `eagle3-pipeline convert-storage {data_dir} --to float8_e4m3`"))
     document, error = _read_json(manifest_path)
     if error is None and not isinstance(document, dict):
         error = f"{manifest_path} holds {type(document).__name__}, not a manifest object"

@@ -308,6 +308,17 @@ def _records_table(records: object) -> Html:
     return table(["line", "id", "reason", "detail"], rows, numeric=(0,))
 
 
+def _storage(manifest: dict) -> str:
+    """The manifest's storage dtype, with its scales when quantized (extract/storage.py)."""
+    stored = manifest.get("storage_dtype") or manifest.get("dtype", "-")
+    storage = manifest.get("storage") if isinstance(manifest.get("storage"), dict) else {}
+    if not storage.get("quantized"):
+        return f"{stored} (as captured)"
+    scales = storage.get("scales") if isinstance(storage.get("scales"), dict) else {}
+    return (f"{stored}, one {scales.get('dtype', '-')} scale per token and captured layer; read back as "
+            f"{storage.get('read_as', '-')}")
+
+
 def extraction_section(inputs: ReportInputs) -> Html:
     """Samples, tokens, bytes, skipped and failed records with reasons, throughput."""
     stats = inputs.extraction
@@ -328,6 +339,7 @@ def extraction_section(inputs: ReportInputs) -> Html:
         ("hidden size / layers / vocabulary",
          f"{number(m.get('hidden_size'))} / {number(m.get('num_hidden_layers'))} / {number(m.get('vocab_size'))}"),
         ("dtype, max length", f"{m.get('dtype', '-')}, {number(m.get('max_length'))} ({m.get('overflow', '-')})"),
+        ("hidden states stored as", _storage(m)),
         ("records in the dataset", number(m.get("num_records"))),
         ("samples stored (verified)", number(m.get("num_samples"))),
         ("tokens", number(tokens)),

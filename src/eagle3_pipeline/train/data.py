@@ -11,7 +11,10 @@ never changes with the order of the manifest or the number of extraction hosts),
 resumed from a ``DataState`` continues at exactly the next batch.
 
 Files are read with safetensors only (no pickle, no code loaded), and each file's tensor
-names, shapes and dtypes are checked against the manifest before use.
+names, shapes and dtypes are checked against the manifest before use (``extract/storage.py``).
+States stored as float8 are dequantized transparently: on the CPU by ``load_batch``, or, for
+the trainer (``dequantize=False``), on the device after the float8 bytes and their scales were
+moved there (``PackedBatch.to``), half the bytes of bf16 to read and to copy.
 """
 
 from __future__ import annotations
@@ -20,12 +23,12 @@ import hashlib
 import json
 import random
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
+from eagle3_pipeline.extract import storage
 from eagle3_pipeline.extract.store import FORMAT, FORMAT_VERSION, MANIFEST_FILE
 
 # First-fit packing looks at most this many open batches back (keeps packing O(samples)).
@@ -62,7 +65,8 @@ class TrainData:
     samples: list[Sample]
     n_aux: int
     hidden_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the target's: what the states read back as
+    layout: storage.Layout
 
     @property
     def num_tokens(self) -> int:
@@ -90,6 +94,9 @@ def open_dataset(data_dir: str | Path) -> TrainData:
     path = root / MANIFEST_FILE
     if not root.is_dir():
         raise DataError(f"{root}: no such directory (eagle_training_data_dir must be an extraction output directory)")
+    unfinished = storage.unfinished_conversion(root)
+    if unfinished:
+        raise DataError(unfinished)
     if not path.is_file():
         raise DataError(
             f"{root}: no {MANIFEST_FILE}: the extraction has not completed or been merged there "
@@ -112,6 +119,10 @@ def open_dataset(data_dir: str | Path) -> TrainData:
     dtype = getattr(torch, str(manifest["dtype"]), None)
     if not isinstance(dtype, torch.dtype):
         raise DataError(f"{path}: unknown dtype {manifest['dtype']!r}")
+    try:
+        layout = storage.Layout.of(manifest)
+    except storage.StorageError as exc:
+        raise DataError(f"{path}: {exc}") from None
     # In dataset order (the line of each record), whatever order the JSON keys of the shards have.
     entries = sorted((entry for shard in manifest["shards"].values() for entry in shard["files"]),
                      key=lambda entry: (int(entry.get("line", 0)), entry["file"]))
@@ -122,7 +133,8 @@ def open_dataset(data_dir: str | Path) -> TrainData:
     if manifest.get("num_samples", len(samples)) != len(samples):
         raise DataError(f"{path}: lists {len(samples)} sample files but says num_samples "
                         f"{manifest['num_samples']}; the manifest is damaged (re-run the merge)")
-    return TrainData(root, manifest, samples, len(manifest["aux_layers"]), int(manifest["hidden_size"]), dtype)
+    return TrainData(root, manifest, samples, len(manifest["aux_layers"]), int(manifest["hidden_size"]), dtype,
+                     layout)
 
 
 # -- order ---------------------------------------------------------------------------------
@@ -174,57 +186,69 @@ def shard(batches: list[list[int]], rank: int, world: int) -> list[list[int]]:
 # -- loading -------------------------------------------------------------------------------
 @dataclass
 class PackedBatch:
-    """Samples concatenated along one token axis (no padding)."""
+    """Samples concatenated along one token axis (no padding).
+
+    With ``aux_scales`` set, the states are still float8 as stored (``load_batch(..., dequantize=False)``):
+    ``to(device)`` moves them so and dequantizes there; ``dequantized()`` does it where they are.
+    """
 
     input_ids: torch.Tensor  # [N] int64
     loss_mask: torch.Tensor  # [N] bool
-    aux_hidden: torch.Tensor  # [N, n_aux*H], the stored dtype
-    last_hidden: torch.Tensor  # [N, H], the stored dtype
+    aux_hidden: torch.Tensor  # [N, n_aux*H], the target's dtype (or float8 with aux_scales)
+    last_hidden: torch.Tensor  # [N, H], the target's dtype (or float8 with last_scales)
     doc_ids: torch.Tensor  # [N] int64, 0..k-1 per sample
     position_ids: torch.Tensor  # [N] int64, from 0 in each sample
     sample_ids: list[str] = field(default_factory=list)
+    aux_scales: torch.Tensor | None = None  # [N, n_aux] float32, while aux_hidden is float8
+    last_scales: torch.Tensor | None = None  # [N, 1] float32, while last_hidden is float8
+    hidden_dtype: torch.dtype | None = None  # what float8 states dequantize to (the target's dtype)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def quantized(self) -> bool:
+        return self.aux_scales is not None
+
+    def dequantized(self) -> PackedBatch:
+        """The batch with its states in the target's dtype, computed on the states' device."""
+        if not self.quantized:
+            return self
+        return replace(self, aux_hidden=storage.dequantize(self.aux_hidden, self.aux_scales, self.hidden_dtype),
+                       last_hidden=storage.dequantize(self.last_hidden, self.last_scales, self.hidden_dtype),
+                       aux_scales=None, last_scales=None)
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
-        move = {name: getattr(self, name).to(device, non_blocking=non_blocking)
-                for name in ("input_ids", "loss_mask", "aux_hidden", "last_hidden", "doc_ids", "position_ids")}
-        return PackedBatch(**move, sample_ids=list(self.sample_ids))
+        """On ``device``, states in the target's dtype (float8 ones move as float8 and scales, then dequantize)."""
+        names = ["input_ids", "loss_mask", "aux_hidden", "last_hidden", "doc_ids", "position_ids"]
+        if self.quantized:
+            names += ["aux_scales", "last_scales"]
+        moved = {name: getattr(self, name).to(device, non_blocking=non_blocking) for name in names}
+        return replace(self, **moved, sample_ids=list(self.sample_ids)).dequantized()
 
 
 def _read_sample(data: TrainData, sample: Sample) -> dict[str, torch.Tensor]:
-    path = data.root / sample.file
-    t, h = sample.tokens, data.hidden_size
-    want = {"input_ids": ((t,), None), "loss_mask": ((t,), None),
-            "aux_hidden_states": ((t, data.n_aux * h), data.dtype), "last_hidden_states": ((t, h), data.dtype)}
+    """A sample's tensors as stored (float8 ones with their scales), checked against the manifest."""
     try:
-        with safe_open(str(path), framework="pt") as handle:
-            names = set(handle.keys())
-            absent = sorted(set(want) - names)
-            if absent:
-                raise DataError(f"{path}: lacks tensors {absent}; the file is not an extracted sample")
-            tensors = {name: handle.get_tensor(name) for name in want}
-    except FileNotFoundError:
-        raise DataError(f"{path}: missing (listed in {MANIFEST_FILE}); run `eagle3-pipeline verify`") from None
-    except (SafetensorError, OSError) as exc:
-        raise DataError(f"{path}: unreadable: {exc}; run `eagle3-pipeline verify`") from None
-    for name, (shape, dtype) in want.items():
-        got = tensors[name]
-        if tuple(got.shape) != shape:
-            raise DataError(f"{path}: {name} is {tuple(got.shape)}, the manifest says {shape}")
-        if dtype is not None and got.dtype != dtype:
-            raise DataError(f"{path}: {name} is {got.dtype}, the manifest says {dtype}")
-    return tensors
+        return storage.read_sample(data.root / sample.file, data.layout, sample.tokens, dequantize=False)
+    except storage.StorageError as exc:
+        raise DataError(str(exc)) from None
 
 
-def load_batch(data: TrainData, indices: list[int], max_tokens: int | None = None) -> PackedBatch:
-    """Read the samples ``data.samples[i]`` and concatenate them; ``max_tokens`` cuts the tail."""
+def load_batch(data: TrainData, indices: list[int], max_tokens: int | None = None, *,
+               dequantize: bool = True) -> PackedBatch:
+    """Read the samples ``data.samples[i]`` and concatenate them; ``max_tokens`` cuts the tail.
+
+    ``dequantize=False`` leaves float8 states as stored, with their scales (``PackedBatch.to``
+    dequantizes them on the device); unquantized data reads the same either way.
+    """
     if not indices:
         raise DataError("load_batch: no samples given")
     parts: dict[str, list[torch.Tensor]] = {"input_ids": [], "loss_mask": [], "aux_hidden_states": [],
                                             "last_hidden_states": [], "doc_ids": [], "position_ids": []}
+    if data.layout.quantized:
+        parts.update({name: [] for name in storage.SCALE_NAMES.values()})
     left = max_tokens if max_tokens is not None else sum(data.samples[i].tokens for i in indices)
     ids = []
     for doc, index in enumerate(indices):
@@ -239,7 +263,7 @@ def load_batch(data: TrainData, indices: list[int], max_tokens: int | None = Non
         parts["doc_ids"].append(torch.full((keep,), doc, dtype=torch.int64))
         parts["position_ids"].append(torch.arange(keep, dtype=torch.int64))
         ids.append(sample.id)
-    return PackedBatch(
+    batch = PackedBatch(
         input_ids=torch.cat(parts["input_ids"]).long(),
         loss_mask=torch.cat(parts["loss_mask"]).bool(),
         aux_hidden=torch.cat(parts["aux_hidden_states"]),
@@ -248,6 +272,10 @@ def load_batch(data: TrainData, indices: list[int], max_tokens: int | None = Non
         position_ids=torch.cat(parts["position_ids"]),
         sample_ids=ids,
     )
+    if data.layout.quantized:
+        batch = replace(batch, aux_scales=torch.cat(parts["aux_hidden_scales"]),
+                        last_scales=torch.cat(parts["last_hidden_scales"]), hidden_dtype=data.dtype)
+    return batch.dequantized() if dequantize else batch
 
 
 # -- the resumable stream ------------------------------------------------------------------
@@ -273,7 +301,7 @@ class DataState:
 
 
 def batches(data: TrainData, batch_tokens: int, seed: int, rank: int, world: int, state: DataState | None = None,
-            *, samples: list[Sample] | None = None, epochs: int | None = None
+            *, samples: list[Sample] | None = None, epochs: int | None = None, dequantize: bool = True
             ) -> Iterator[tuple[DataState, PackedBatch]]:
     """Yield (state after this batch, batch) for this rank, from ``state`` on.
 
@@ -281,7 +309,7 @@ def batches(data: TrainData, batch_tokens: int, seed: int, rank: int, world: int
     ``epochs`` None runs forever. Saving the yielded state with a checkpoint taken after the
     step on that batch and passing it back continues at exactly the next batch, provided the
     seed, budget, world size and sample list are unchanged. The state after the last batch of
-    an epoch is (epoch + 1, 0).
+    an epoch is (epoch + 1, 0). ``dequantize``: as ``load_batch``'s.
     """
     pool = data.samples if samples is None else samples
     state = state or DataState()
@@ -296,5 +324,5 @@ def batches(data: TrainData, batch_tokens: int, seed: int, rank: int, world: int
                             "per epoch; resume with the seed, batch budget, world size and data of the saved run")
         for index in range(position, len(mine)):
             after = DataState(epoch, index + 1) if index + 1 < len(mine) else DataState(epoch + 1, 0)
-            yield after, load_batch(data, mine[index], max_tokens=batch_tokens)
+            yield after, load_batch(data, mine[index], max_tokens=batch_tokens, dequantize=dequantize)
         epoch, position = epoch + 1, 0

@@ -153,6 +153,7 @@ class StepRunner:
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     def teacher(self, batch: PackedBatch) -> TeacherTargets:
+        batch = batch.dequantized()  # float8 states (a batch not moved by ``forward``): where they are
         return teacher_targets(batch.last_hidden[None], self.lm_head, self.model.t2d, self.model.d2t,
                                batch.loss_mask[None], batch.doc_ids[None])
 
