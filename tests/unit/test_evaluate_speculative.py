@@ -42,9 +42,14 @@ def _random_llama(path: Path, zero_norm: bool = False) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def random_target(tmp_path_factory) -> TargetModel:
-    return TargetModel.load(_random_llama(tmp_path_factory.mktemp("llama")), AUX, device="cpu")
+@pytest.fixture(scope="module", params=["slots", "transformers"])
+def random_target(tmp_path_factory, request) -> TargetModel:
+    """The target read over the engine's slot cache, and over transformers' own cache with masks."""
+    target = TargetModel.load(_random_llama(tmp_path_factory.mktemp("llama")), AUX, device="cpu",
+                              decode=request.param)
+    yield target
+    if request.param == "slots":  # every batch gave its slots back
+        assert target.slots and target.runner.slot_decoder.free_slots == target.runner.slot_decoder.slots
 
 
 def _drafter(draft_vocab: int = 48, seed: int = 1, vocab: int = VOCAB, hidden: int = HIDDEN) -> Eagle3Drafter:
@@ -306,7 +311,7 @@ def test_a_kv_cache_the_model_ignores_is_caught_by_the_full_forward_oracle(tmp_p
     with pytest.raises(ValueError, match="differ from a full forward"):
         TargetModel.load(path, AUX, device="cpu")
     monkeypatch.setattr(batcher.ModelRunner, "_check_cached_forward", lambda self: None)
-    target = TargetModel.load(path, AUX, device="cpu")
+    target = TargetModel.load(path, AUX, device="cpu", decode="transformers")
     prompts = _prompts(4)
     results = speculative_generate(target, EagleProposer(_drafter()), prompts, 30, 3, ignore_eos=True)
     mismatches = [compare_with_reference(r, ref) for r, ref in zip(results, target.greedy_reference(prompts, 30,

@@ -413,28 +413,41 @@ class ModelRunner:
 
     def _compare_slot_decode(self, decoder) -> str | None:
         """Why slot decoding does not reproduce this model's full forwards (None when it does): two
-        prompts of different lengths in slots apart, each then decoding three tokens together."""
-        length = min(12, decoder.slot_tokens - 4)
-        tokens = self._check_tokens(length + 3)
+        prompts of different lengths in slots apart (their aux states too), each then decoding three
+        tokens together, then reading four more at once over a rejected one (the evaluation's verify)."""
+        torch = self.torch
+        length = min(12, decoder.slot_tokens - 8)
+        tokens = self._check_tokens(length + 7)
         prompts = [tokens[:length], tokens[: length - 3]]
         taken = decoder.take(decoder.free_slots)
         slots = [taken[0], taken[-1]] if len(taken) > 1 else taken  # the first and the last slot
         prompts = prompts[: len(slots)]
+        tolerance = CACHED_FORWARD_TOLERANCE[self.dtype_name]
         try:
-            got = [decoder.prefill(slots, prompts)]
+            first, aux = decoder.prefill(slots, prompts, self.aux_layers)
+            got = [first]
             for step in range(3):
                 got.append(decoder.decode(slots, [tokens[len(p) + step] for p in prompts],
                                           [len(p) + step for p in prompts]))
+            # A verify-like read of 4 tokens from position len + 2: it overwrites the third decoded token's keys.
+            at = torch.tensor([[len(p) + 2 + i for i in range(4)] for p in prompts], device=self.device)
+            more, more_aux = decoder.extend(slots, torch.tensor([tokens[len(p) + 2: len(p) + 6] for p in prompts],
+                                                                device=self.device), at, self.aux_layers)
         finally:
             decoder.release(taken)
+        start = 0
         for b, prompt in enumerate(prompts):
-            _, want = self._full_forward(tokens[: len(prompt) + 3])
-            for step in range(4):
-                error = self._relative_error(got[step][b], want[len(prompt) - 1 + step])
-                if not error <= CACHED_FORWARD_TOLERANCE[self.dtype_name]:
-                    return (f"its logits at decode step {step} of a {len(prompt)}-token prompt differ from a full "
-                            f"forward by {error:.3g} of the largest value (allowed "
-                            f"{CACHED_FORWARD_TOLERANCE[self.dtype_name]})")
+            want_aux, want = self._full_forward(tokens[: len(prompt) + 6])
+            pairs = [(f"logits at decode step {step}", got[step][b], want[len(prompt) - 1 + step]) for step in range(4)]
+            pairs += [("aux states of the prompt", aux[start:start + len(prompt)], want_aux[: len(prompt)]),
+                      ("logits of a 4-token read", more[b], want[len(prompt) + 2: len(prompt) + 6]),
+                      ("aux states of a 4-token read", more_aux[b], want_aux[len(prompt) + 2: len(prompt) + 6])]
+            start += len(prompt)
+            for what, ours, full in pairs:
+                error = self._relative_error(ours, full)
+                if not error <= tolerance:
+                    return (f"its {what} of a {len(prompt)}-token prompt differ from a full forward by {error:.3g} "
+                            f"of the largest value (allowed {tolerance})")
         return None
 
     def _check_logits_from_last_hidden_state(self) -> None:
@@ -557,7 +570,7 @@ class ModelRunner:
         slots = decoder.take(len(jobs))
         try:
             with self.torch.inference_mode():
-                logits = decoder.prefill(slots, [job.input_ids for job in jobs])
+                logits, _ = decoder.prefill(slots, [job.input_ids for job in jobs])
                 rows = [DecodeRow(job, GenerateOutcome(output_ids=[], finish_reason={"type": "length", "length": 0}),
                                   self._generator(job.sampling), len(job.input_ids), slot=slot)
                         for job, slot in zip(jobs, slots)]

@@ -10,8 +10,9 @@ requests as one right-padded batch and decodes them together, admitting requests
 meanwhile into the running decode (``engine/batcher.py``); requests that need no capture and no
 logprobs (serving, the regeneration) prefill and decode over a KV cache of fixed slots with CUDA
 graphs (``engine/slots.py``, ``--decode slots``, the default) when the model reproduces its full
-forwards there, checked at start; request checking and response shapes are in ``engine/api.py``. Without ``--capture-dir`` it captures nothing: a server for
-serving (regeneration), not for extraction.
+forwards there, checked at start; request checking and response shapes are in ``engine/api.py``.
+Without ``--capture-dir`` it captures nothing: a server for serving (regeneration), not for
+extraction.
 
 Conventions of this engine:
 

@@ -236,35 +236,63 @@ class SlotDecoder:
             if not 0 <= slot <= self.slots or end > self.slot_tokens:
                 raise ValueError(f"slot {slot}: {end} tokens do not fit its {self.slot_tokens}")
 
-    def prefill(self, slots: list[int], prompts: list[list[int]]):
-        """Write each prompt's keys and values into its slot; the logits [n, V] float32 of each prompt's
-        last token. Prompts are packed (no padding), at most ``PREFILL_TOKENS`` a forward (rows whole)."""
+    def prefill(self, slots: list[int], prompts: list[list[int]], aux_layers=()):
+        """Write each prompt's keys and values into its slot: (the logits [n, V] float32 of each prompt's last
+        token, the ``aux_layers``' outputs concatenated for every prompt token, packed [sum P, n_aux*H], or None).
+        Prompts are packed (no padding), at most ``PREFILL_TOKENS`` a forward (rows whole)."""
         self._check_room(slots, [len(p) for p in prompts])
-        logits, group, size = [], [], 0
+        groups, group, size = [], [], 0
         for b, prompt in enumerate(prompts):
             if group and size + len(prompt) > PREFILL_TOKENS:
-                logits.append(self._prefill_group([slots[i] for i in group], [prompts[i] for i in group]))
+                groups.append(group)
                 group, size = [], 0
             group.append(b)
             size += len(prompt)
-        if group:
-            logits.append(self._prefill_group([slots[i] for i in group], [prompts[i] for i in group]))
-        return torch.cat(logits)
+        groups.append(group)
+        logits, aux = [], []
+        for group in groups:
+            last, captured = self._prefill_group([slots[i] for i in group], [prompts[i] for i in group], aux_layers)
+            logits.append(last)
+            if aux_layers:
+                aux.append(torch.cat([captured[layer] for layer in aux_layers], dim=-1))
+        return torch.cat(logits), (torch.cat(aux) if aux_layers else None)
 
-    def _prefill_group(self, slots, prompts):
+    def extend(self, slots: list[int], tokens, positions, aux_layers=()):
+        """Rows of ``n`` tokens [B, n] at consecutive positions [B, n] of their slots (a row's keys at those
+        positions and beyond are overwritten: a row attends to the keys up to the position it reads): (logits
+        [B, n, V] float32, the ``aux_layers``' outputs concatenated [B, n, n_aux*H] or None)."""
+        rows, count = tokens.shape
+        device = self.device
+        slot_ids = torch.tensor(slots, device=device)
+        write = (slot_ids[:, None] * self.slot_tokens + positions).reshape(-1)
+        used = (positions[:, -1] + 1).to(torch.int32)
+        cu_q = torch.arange(rows + 1, dtype=torch.int32, device=device) * count
+        key_start = torch.cat([slot_ids * self.slot_tokens,
+                               torch.tensor([(self.slots + 1) * self.slot_tokens], device=device)]).to(torch.int32)
+        # Checked on every read (one host copy): a row past its slot would write into the next slot's keys.
+        ends = used.tolist()
+        self._check_room(slots, ends)
+        host = None if self.flash else (cu_q.tolist(), key_start.tolist(), ends)
+        logits, captured = self.forward(tokens.reshape(-1), positions.reshape(-1), write, cu_q, count, key_start, used,
+                                        aux_layers=aux_layers, host=host)
+        aux = torch.cat([captured[layer] for layer in aux_layers], dim=-1).view(rows, count, -1) if aux_layers \
+            else None
+        return logits.view(rows, count, -1), aux
+
+    def _prefill_group(self, slots, prompts, aux_layers=()):
         lengths = [len(p) for p in prompts]
         cu_q, key_start, used = self._layout(slots, lengths, [0] * len(prompts))
         positions = [p for length in lengths for p in range(length)]
         write = [slot * self.slot_tokens + p for slot, length in zip(slots, lengths) for p in range(length)]
         device = self.device
-        logits, _ = self.forward(
+        return self.forward(
             torch.tensor([t for prompt in prompts for t in prompt], device=device),
             torch.tensor(positions, device=device), torch.tensor(write, device=device),
             torch.tensor(cu_q, dtype=torch.int32, device=device), max(lengths),
             torch.tensor(key_start, dtype=torch.int32, device=device),
             torch.tensor(used, dtype=torch.int32, device=device),
-            select=torch.tensor([c - 1 for c in cu_q[1:]], device=device), host=(cu_q, key_start, used))
-        return logits
+            select=torch.tensor([c - 1 for c in cu_q[1:]], device=device), aux_layers=aux_layers,
+            host=(cu_q, key_start, used))
 
     def decode(self, slots: list[int], tokens: list[int], positions: list[int]):
         """One token per row at its position in its slot: the logits [n, V] float32 of each row."""

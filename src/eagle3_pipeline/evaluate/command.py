@@ -102,6 +102,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--device", default="auto", help="reference engine: auto, cpu, cuda or cuda:N")
     add("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
         help="reference engine: the target's dtype (auto: bfloat16 on a GPU, float32 on the CPU)")
+    add("--decode", choices=("slots", "transformers"), default="slots",
+        help="reference engine: read the target over the engine's slot cache (flash attention per request, no "
+        "padding; used when the model passes the engine's start-up check) or over transformers' own cache")
     add("--no-check-outputs", dest="check_outputs", action="store_false",
         help="reference engine: skip the target's greedy decode by full forwards (the check that the outputs are "
         "the target's own)")
@@ -304,7 +307,7 @@ def run_reference(args, prompts, aux_layers: list[int], target_path: str) -> dic
     from eagle3_pipeline.evaluate.speculative import EagleProposer, TargetModel, load_drafter  # noqa: PLC0415
 
     started = time.perf_counter()
-    target = TargetModel.load(target_path, aux_layers, device=args.device, dtype=args.dtype)
+    target = TargetModel.load(target_path, aux_layers, device=args.device, dtype=args.dtype, decode=args.decode)
     drafter, _ = load_drafter(args.drafter_dir, target.input_embeddings(), device=target.device)
     _say(f"target {target_path} and drafter loaded on {target.device} ({target.dtype_name}) in "
          f"{time.perf_counter() - started:.1f} s")
@@ -315,7 +318,8 @@ def run_reference(args, prompts, aux_layers: list[int], target_path: str) -> dic
     if args.check_outputs:
         check = check_outputs(target, prompt_ids, [p.sample_id for p in prompts], outputs, args.max_new_tokens,
                               args.batch_tokens, args.ignore_eos)
-    return {"runs": runs, "check": check, "device": str(target.device), "dtype": target.dtype_name}
+    return {"runs": runs, "check": check, "device": str(target.device), "dtype": target.dtype_name,
+            "decode": target.runner.decode_path}
 
 
 def run_sglang(args, prompts) -> dict:
@@ -455,6 +459,7 @@ def _run(args: argparse.Namespace) -> int:
                  "cond_acc_i over the chain's positions, from the training's held-out split. "
                  "sglang_accept_length is SGLang's completion_tokens / spec_verify_ct (the prefill's token counted)."),
         "wall_s": time.time() - started, "device": measured["device"], "dtype": measured["dtype"],
+        "decode": measured.get("decode"),
         "server_url": args.server_url if args.engine == "sglang" else None,
         "drafter_dir": inputs["drafter_dir"], "drafter_sha256": inputs["drafter_sha256"],
         "target_model_path": inputs["target_model_path"], "data_dir": inputs["data_dir"],

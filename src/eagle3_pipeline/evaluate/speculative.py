@@ -94,26 +94,71 @@ class TargetCache:
         n = keep.shape[1]
         self.valid[:, -n:] = self.valid[:, -n:] * keep.to(self.valid.dtype)
 
+    def release(self) -> None:
+        """Nothing held beyond this object."""
+
+
+@dataclass
+class SlotRows:
+    """A batch's rows in the engine's slot cache (``engine/slots.py``), row ``b`` in ``slots[b]``.
+
+    A read writes each row's keys at the positions it reads and attends to the keys up to there, so the
+    next round's read overwrites a round's rejected drafts: nothing needs masking.
+    """
+
+    decoder: object  # engine/slots.py's SlotDecoder
+    slots: list[int]
+
+    def drop(self, keep: torch.Tensor) -> None:
+        """Nothing to mask (see the class docstring)."""
+
+    def release(self) -> None:
+        """Give the slots back."""
+        self.decoder.release(self.slots)
+        self.slots = []
+
 
 class TargetModel:
     """The target on the reference engine's ``ModelRunner``: its model loading, device and dtype choice,
     aux-layer forward hooks (checked at load against ``hidden_states[i + 1]``, and its cached forwards
     against full ones), used here for batched cached forwards and for full-forward greedy decoding."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, decode: str = "slots"):
         self.runner = runner
         self.device = runner.device
         self.dtype_name = runner.dtype_name
         self.aux_layers = list(runner.aux_layers)
         self.eos_token_ids = set(runner.eos_token_ids)
+        self.slots = decode == "slots"  # the engine's slot cache for the batches that fit it
 
     @classmethod
-    def load(cls, model_path: str | Path, aux_layers: list[int], device: str = "auto", dtype: str = "auto"
-             ) -> TargetModel:
-        """Load the target directory (config.json, weights, tokenizer) with the aux layers hooked."""
+    def load(cls, model_path: str | Path, aux_layers: list[int], device: str = "auto", dtype: str = "auto",
+             decode: str = "slots") -> TargetModel:
+        """Load the target directory (config.json, weights, tokenizer) with the aux layers hooked. ``decode``
+        ``slots``: the speculative decoding reads the target over the engine's slot cache (flash attention per
+        request, no padding, nothing masked) when the model passes the engine's check; ``transformers``: over
+        transformers' own cache, with masks."""
         from eagle3_pipeline.engine.batcher import ModelRunner  # noqa: PLC0415 - loads transformers
 
-        return cls(ModelRunner(str(model_path), device=device, dtype=dtype, aux_layers=aux_layers))
+        return cls(ModelRunner(str(model_path), device=device, dtype=dtype, aux_layers=aux_layers), decode)
+
+    def _slot_decoder(self, rows: int, tokens: int):
+        """The engine's slot cache with ``rows`` slots of ``tokens`` (made, or remade larger), or None: then
+        transformers' cache (slots off, the model failed the engine's check, or a longer context than it has)."""
+        runner = self.runner
+        decoder = runner.slot_decoder
+        if not self.slots:
+            return None
+        if decoder is None or decoder.slots < rows or decoder.slot_tokens < tokens:
+            tokens = -(-tokens // 256) * 256  # rounded up: fewer remakes as the batches grow
+            if tokens > runner.context_length:
+                return None
+            runner.slot_decoder = decoder = None  # the old cache's memory goes before the new one is taken
+            if not runner.enable_slots(rows, tokens, graphs=False):
+                self.slots = False
+                return None
+            decoder = runner.slot_decoder
+        return decoder
 
     @property
     def tokenizer(self):
@@ -132,11 +177,15 @@ class TargetModel:
         return aux, out.last_hidden_state
 
     def _top2(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The two best (logit, id) of lm_head(hidden) [.., H]: values and ids [.., 2].
+        """The two best (logit, id) of lm_head(hidden) [.., H]: values and ids [.., 2] (``_top2_of``)."""
+        return self._top2_of(self.runner.lm_head(hidden).float())
+
+    @staticmethod
+    def _top2_of(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two best (logit, id) of logits [.., V]: values and ids [.., 2].
 
         The first is ``argmax`` (the lowest id among exact ties, as the engine's greedy decode picks);
         ``topk`` alone orders exact ties arbitrarily."""
-        logits = self.runner.lm_head(hidden).float()
         top = logits.topk(2, dim=-1)
         first = logits.argmax(dim=-1, keepdim=True)
         second = torch.where(top.indices[..., :1] == first, top.indices[..., 1:], top.indices[..., :1])
@@ -144,10 +193,23 @@ class TargetModel:
         return logits.gather(-1, ids), ids
 
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]]) -> tuple[TargetCache, torch.Tensor, list[Top2]]:
-        """Read right-padded prompts into a new cache: (cache, aux [B, W, n_aux*H], top-2 after each prompt)."""
+    def prefill(self, prompts: list[list[int]], room: int = 0) -> tuple[TargetCache | SlotRows, torch.Tensor,
+                                                                       list[Top2]]:
+        """Read the prompts into a new cache, each with ``room`` more tokens to come: (the batch's cache, aux
+        [B, W, n_aux*H] right-padded to the longest prompt, top-2 after each prompt). Over the engine's slot
+        cache when it can hold them (``_slot_decoder``), else right-padded into transformers' cache."""
         lengths = [len(prompt) for prompt in prompts]
         width = max(lengths)
+        decoder = self._slot_decoder(len(prompts), width + room)
+        if decoder is not None:
+            state = SlotRows(decoder, decoder.take(len(prompts)))
+            logits, packed = decoder.prefill(state.slots, prompts, self.aux_layers)
+            rows = torch.repeat_interleave(torch.arange(len(prompts)), torch.tensor(lengths)).to(self.device)
+            columns = torch.cat([torch.arange(length) for length in lengths]).to(self.device)
+            aux = packed.new_zeros((len(prompts), width, packed.shape[-1]))
+            aux[rows, columns] = packed
+            values, top_ids = self._top2_of(logits)
+            return state, aux, _top2_rows(values, top_ids)
         ids = torch.zeros((len(prompts), width), dtype=torch.long)
         valid = torch.zeros((len(prompts), width), dtype=torch.long)
         for b, prompt in enumerate(prompts):
@@ -162,12 +224,16 @@ class TargetModel:
         return state, aux, _top2_rows(values, top_ids)
 
     @torch.inference_mode()
-    def extend(self, state: TargetCache, ids: torch.Tensor, positions: torch.Tensor
+    def extend(self, state: TargetCache | SlotRows, ids: torch.Tensor, positions: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Read ids [B, n] at positions [B, n] into the cache: (aux [B, n, n_aux*H], top-2 values and ids [B, n, 2]).
 
-        The new slots are valid until ``state.drop`` masks the rejected ones out.
+        In transformers' cache the new slots are valid until ``state.drop`` masks the rejected ones out.
         """
+        if isinstance(state, SlotRows):
+            logits, aux = state.decoder.extend(state.slots, ids, positions, self.aux_layers)
+            values, top_ids = self._top2_of(logits)
+            return aux, values, top_ids
         state.valid = torch.cat([state.valid, torch.ones_like(ids)], dim=1)
         aux, last = self._forward(ids, positions, state.valid, state.cache)
         values, top_ids = self._top2(last)
@@ -466,58 +532,63 @@ def speculative_generate(target: TargetModel, proposer, prompts: list[list[int]]
     stops = set() if ignore_eos else target.eos_token_ids
     batch = len(prompts)
     lengths = [len(prompt) for prompt in prompts]
-    state, aux, tops = target.prefill(prompts)
-    results = [SpeculativeOutput([top.first_id], [], [top]) for top in tops]
-    active = [not (r.output_ids[0] in stops or max_new_tokens <= 1) for r in results]
-    # Draft extend over the prompt: a_t paired with x_{t+1} (the prompt's next token, then the first output).
-    width = max(lengths)
-    tokens = torch.zeros((batch, width), dtype=torch.long)
-    for b, prompt in enumerate(prompts):
-        tokens[b, : lengths[b]] = torch.tensor([*prompt[1:], results[b].output_ids[0]])
-    positions = torch.arange(width, device=device).expand(batch, width)
-    proposer.reset(batch)
-    proposer.extend(aux, tokens.to(device), positions, positions < torch.tensor(lengths, device=device)[:, None])
-    next_position = torch.tensor(lengths, device=device)  # where each request's last output token goes
-    last_token = torch.tensor([r.output_ids[0] for r in results], device=device)
-    while any(active):
-        counts = [min(draft_tokens, max_new_tokens - len(r.output_ids) - 1) if on else 0
-                  for r, on in zip(results, active)]
-        drafted = max(counts)
-        drafts = proposer.propose(drafted) if drafted else torch.zeros((batch, 0), dtype=torch.long, device=device)
-        ids = torch.cat([last_token[:, None], drafts.to(device)], dim=1)  # [B, 1 + drafted]
-        steps = torch.arange(drafted + 1, device=device)
-        aux, values, top_ids = target.extend(state, ids, next_position[:, None] + steps)
-        choices = top_ids[..., 0]  # the target's greedy token after each of those
-        leading = (drafts.to(device) == choices[:, :drafted]).long().cumprod(dim=1).sum(dim=1)
-        accepted = torch.minimum(leading, torch.tensor(counts, device=device))
-        host_accepted, host_choices = accepted.tolist(), choices.tolist()
-        host_values, host_ids = values.tolist(), top_ids.tolist()
-        extend_valid = torch.zeros((batch, drafted + 1), dtype=torch.bool)
-        for b, result in enumerate(results):
-            if not active[b]:
-                continue
-            taken = host_accepted[b]
-            new = host_choices[b][: taken + 1]  # the accepted drafts (equal to the target's choices) and the bonus
-            finished = False
-            for index, token in enumerate(new):
-                if token in stops:
-                    new, finished = new[: index + 1], True
-                    break
-            result.rounds.append(Round(drafted=counts[b], accepted=taken, produced=len(new)))
-            result.output_ids += new
-            result.top2 += [Top2(host_ids[b][j][0], host_values[b][j][0], host_ids[b][j][1], host_values[b][j][1])
-                            for j in range(len(new))]
-            active[b] = not (finished or len(result.output_ids) >= max_new_tokens)
-            if active[b]:
-                extend_valid[b, : taken + 1] = True
-        state.drop(steps[None, :] <= accepted[:, None])  # the rejected drafts' slots
-        # Draft extend over the verified rows: the aux of each with the token after it, which is the target's
-        # choice there (an accepted draft equals it; the last one is the bonus).
-        if any(active):
-            proposer.extend(aux, choices, next_position[:, None] + steps, extend_valid.to(device))
-        next_position = next_position + accepted + 1
-        last_token = choices.gather(1, accepted[:, None])[:, 0]
-    return results
+    state, aux, tops = target.prefill(prompts, room=max_new_tokens + draft_tokens + 1)
+    try:
+        results = [SpeculativeOutput([top.first_id], [], [top]) for top in tops]
+        active = [not (r.output_ids[0] in stops or max_new_tokens <= 1) for r in results]
+        # Draft extend over the prompt: a_t paired with x_{t+1} (the prompt's next token, then the first output).
+        width = max(lengths)
+        tokens = torch.zeros((batch, width), dtype=torch.long)
+        for b, prompt in enumerate(prompts):
+            tokens[b, : lengths[b]] = torch.tensor([*prompt[1:], results[b].output_ids[0]])
+        positions = torch.arange(width, device=device).expand(batch, width)
+        proposer.reset(batch)
+        proposer.extend(aux, tokens.to(device), positions, positions < torch.tensor(lengths, device=device)[:, None])
+        next_position = torch.tensor(lengths, device=device)  # where each request's last output token goes
+        last_token = torch.tensor([r.output_ids[0] for r in results], device=device)
+        while any(active):
+            counts = [min(draft_tokens, max_new_tokens - len(r.output_ids) - 1) if on else 0
+                      for r, on in zip(results, active)]
+            drafted = max(counts)
+            drafts = proposer.propose(drafted) if drafted else torch.zeros((batch, 0), dtype=torch.long, device=device)
+            ids = torch.cat([last_token[:, None], drafts.to(device)], dim=1)  # [B, 1 + drafted]
+            steps = torch.arange(drafted + 1, device=device)
+            aux, values, top_ids = target.extend(state, ids, next_position[:, None] + steps)
+            choices = top_ids[..., 0]  # the target's greedy token after each of those
+            leading = (drafts.to(device) == choices[:, :drafted]).long().cumprod(dim=1).sum(dim=1)
+            accepted = torch.minimum(leading, torch.tensor(counts, device=device))
+            host_accepted, host_choices = accepted.tolist(), choices.tolist()
+            host_values, host_ids = values.tolist(), top_ids.tolist()
+            extend_valid = torch.zeros((batch, drafted + 1), dtype=torch.bool)
+            for b, result in enumerate(results):
+                if not active[b]:
+                    continue
+                taken = host_accepted[b]
+                new = host_choices[b][: taken + 1]  # the accepted drafts (equal to the target's choices) and the bonus
+                finished = False
+                for index, token in enumerate(new):
+                    if token in stops:
+                        new, finished = new[: index + 1], True
+                        break
+                result.rounds.append(Round(drafted=counts[b], accepted=taken, produced=len(new)))
+                result.output_ids += new
+                result.top2 += [Top2(host_ids[b][j][0], host_values[b][j][0], host_ids[b][j][1], host_values[b][j][1])
+                                for j in range(len(new))]
+                active[b] = not (finished or len(result.output_ids) >= max_new_tokens)
+                if active[b]:
+                    extend_valid[b, : taken + 1] = True
+            state.drop(steps[None, :] <= accepted[:, None])  # the rejected drafts' slots
+            # Draft extend over the verified rows: the aux of each with the token after it, which is the target's
+            # choice there (an accepted draft equals it; the last one is the bonus).
+            if any(active):
+                proposer.extend(aux, choices, next_position[:, None] + steps, extend_valid.to(device))
+            # A finished request stays where it is (it rides along, reading at the same positions each round):
+            # its reads stay within the room its prefill asked for.
+            next_position = next_position + (accepted + 1) * torch.tensor(active, device=device)
+            last_token = choices.gather(1, accepted[:, None])[:, 0]
+        return results
+    finally:
+        state.release()  # the batch's slots of the engine's cache
 
 
 @dataclass
