@@ -91,3 +91,38 @@ def test_greedy_requests_decode_the_same_over_slots_and_over_transformers_cache(
     for i, (a, b) in enumerate(zip(over_slots, over_transformers)):
         assert a.output_ids == b.output_ids, i
         assert len(a.output_ids) == budgets[i]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_speculative_decoding_over_slots_gives_the_targets_greedy_decode(smollm2_shaped, dtype):
+    """The evaluation's own oracle on CUDA: every output of a batched chain-of-3 speculative decode over the slot
+    cache is the target's greedy decode by full forwards, or parts from it at a near-tie only."""
+    from eagle3_pipeline.evaluate.speculative import (
+        EagleProposer,
+        TargetModel,
+        compare_with_reference,
+        judge_mismatches,
+        speculative_generate,
+    )
+    from eagle3_pipeline.train.model import DrafterConfig, Eagle3Drafter
+
+    target = TargetModel.load(smollm2_shaped, [1, 14, 26], device="cuda", dtype=dtype)
+    torch.manual_seed(0)
+    config = DrafterConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                           intermediate_size=1536, target_hidden_size=576, num_aux_hidden_states=3,
+                           vocab_size=49152, draft_vocab_size=49152)
+    drafter = Eagle3Drafter(config, torch.zeros(49152, dtype=torch.long), torch.ones(49152, dtype=torch.bool))
+    drafter.load_target_embeddings(target.input_embeddings().detach().float().cpu())
+    proposer = EagleProposer(drafter.to("cuda").eval())
+    rng = random.Random(2)
+    prompts = [[rng.randrange(49152) for _ in range(rng.randrange(5, 600))] for _ in range(32)]
+    results = speculative_generate(target, proposer, prompts, 32, 3, ignore_eos=True)
+    assert target.slots, target.runner.decode_path
+    assert target.runner.slot_decoder.free_slots == target.runner.slot_decoder.slots
+    reference = target.greedy_reference(prompts, 32, ignore_eos=True)
+    mismatches = [compare_with_reference(r, ref) for r, ref in zip(results, reference)]
+    judge_mismatches(target, prompts, mismatches)
+    faults = [m for m in mismatches if m is not None and not m.near_tie]
+    assert not faults, faults
+    print(f"{dtype}: {sum(m is not None for m in mismatches)} of 32 outputs part from the full-forward decode, "
+          "all at near-ties")
