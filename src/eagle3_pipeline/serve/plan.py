@@ -62,7 +62,9 @@ def reference_argv(python: str, model_path: str, host: str, port: int, aux_layer
     argv = [python, "-m", "eagle3_pipeline.cli", "serve-reference", "--model-path", model_path, "--host", host,
             "--port", str(port)]
     if purpose == "capture":
-        argv += ["--capture-dir", capture_dir, "--aux-layers", ",".join(map(str, aux_layers))]
+        # The extraction's requests capture (transformers' path) and decode nothing: no slot cache to allocate.
+        argv += ["--capture-dir", capture_dir, "--aux-layers", ",".join(map(str, aux_layers)), "--decode",
+                 "transformers"]
     else:
         argv += ["--max-batch-size", str(SERVE_MAX_BATCH_SIZE)]
     argv += ["--device", device]
