@@ -36,6 +36,7 @@ def test_reference_plan_has_the_capture_settings_and_probe(model_dir, tmp_path):
     assert argv[:4] == ["/venv/bin/python", "-m", "eagle3_pipeline.cli", "serve-reference"]
     assert argv[argv.index("--aux-layers") + 1] == "1,3,4"
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert argv[argv.index("--decode") + 1] == "transformers"  # captures only: no slot cache to allocate
     assert plan["expected_server_info"]["disable_radix_cache"] is True
     assert plan["expected_server_info"]["chunked_prefill_size"] == -1
     assert "--api-key-env" not in argv and plan["secret_format"] is None
