@@ -9,7 +9,9 @@ module: sglang_server_info
 short_description: Wait for an SGLang-compatible server, printing the wait, check its live settings, and probe its capture
 description:
   - Polls C(/health) until the server answers, failing early with the log's last lines when
-    the server process (O(pid)) exits first, and after O(ready_timeout_s) otherwise.
+    the server process (O(pid)) exits first, or when the state of its systemd O(unit) says that
+    the unit no longer runs it (the failure names the unit and how its main process ended), and
+    after O(ready_timeout_s) otherwise.
   - One call waits for up to O(wait_s) seconds; its action plugin calls it again until the
     server is ready, printing after each call a line such as C(waiting for the server at
     http://127.0.0.1:30000, 40 s of at most 1800), then the last answer of C(/health) and the
@@ -40,6 +42,14 @@ options:
   pid:
     description: PID of the server process; when it exits the wait fails at once.
     type: int
+  unit:
+    description:
+      - The systemd unit that runs the server (e.g. V(eagle3-reference-30000.service)), O(pid) its main process.
+      - Its state is read at every poll; once the unit has stopped (crashed, killed, stopped) or runs
+        another main process, the wait fails at once, naming the unit, its state and how its process ended.
+      - Once the server answers, its state is returned (RV(unit_state)), and a unit that does not run is a failure
+        (something else answers on the port).
+    type: str
   log_file:
     description: The server's log, whose last lines go into failure messages (and its last line into the waiting lines).
     type: path
@@ -80,6 +90,14 @@ EXAMPLES = r"""
     expect:
       disable_radix_cache: true
       chunked_prefill_size: -1
+
+- name: Wait for a server that systemd runs (a crash fails the wait at the next poll, naming the unit)
+  sglang_server_info:
+    url: http://127.0.0.1:30000
+    pid: 12345
+    unit: eagle3-sglang-30000.service
+    log_file: /var/lib/eagle3-pipeline/servers/eagle3-sglang-30000.log
+    ready_timeout_s: 1800
 """
 
 RETURN = r"""
@@ -99,6 +117,11 @@ server_info:
   description: The live /server_info.
   returned: when the server is ready
   type: dict
+unit_state:
+  description: The state of O(unit) once the server answered (C(ActiveState), C(SubState), C(MainPID), ...).
+  returned: when O(unit) is given and the server is ready
+  type: dict
+  sample: {"ActiveState": "active", "SubState": "running", "MainPID": "4242", "Result": "success"}
 probe:
   description: The probe's rid, token count, seconds and capture shapes.
   returned: when probe_input_ids is given and the server is ready
@@ -126,6 +149,8 @@ from ansible.module_utils.sglang_http import (
     not_ready_message,
     probe,
     server_info_mismatches,
+    unit_state,
+    unit_stopped,
     wait_health,
 )
 
@@ -139,6 +164,7 @@ def main():
             ready_timeout_s=dict(type="float", default=600.0),
             poll_s=dict(type="float", default=0.5),
             pid=dict(type="int"),
+            unit=dict(type="str"),
             log_file=dict(type="path"),
             expect=dict(type="dict", default={}),
             probe_input_ids=dict(type="list", elements="int", default=[]),
@@ -168,7 +194,7 @@ def main():
     result = dict(changed=False, finished=False, ready=False, waited_s=p["waited_s"])
     try:
         wait_s = max(0.0, min(p["wait_s"], p["ready_timeout_s"] - p["waited_s"]))
-        ready, seconds, last = wait_health(base, wait_s, p["api_key"], p["pid"], p["log_file"], p["poll_s"])
+        ready, seconds, last = wait_health(base, wait_s, p["api_key"], p["pid"], p["log_file"], p["poll_s"], p["unit"])
         result["waited_s"] = waited = round(p["waited_s"] + seconds, 3)
         if not ready:
             if waited >= p["ready_timeout_s"]:
@@ -177,6 +203,11 @@ def main():
             module.exit_json(msg="waiting for the server at %s, %d s of at most %g (last answer %s)%s" % (
                 base, waited, p["ready_timeout_s"], last, "; log: " + line if line else ""), **result)
         result.update(ready=True, seconds_to_ready=waited)
+        if p["unit"]:
+            result["unit_state"] = state = unit_state(p["unit"])
+            stopped = unit_stopped(p["unit"], state, p["pid"])
+            if stopped:
+                module.fail_json(msg="%s answers, but %s: something else answers on its port" % (base, stopped), **result)
         status, info = http_json(base + "/server_info", api_key=p["api_key"])
         if status != 200 or not isinstance(info, dict):
             module.fail_json(msg="%s/server_info answered HTTP %d: %s" % (base, status, str(info)[:300]), **result)

@@ -1,16 +1,19 @@
 """Talking to an SGLang-compatible server (SGLang itself or the reference engine) over HTTP.
 
 Plain functions over the standard library, so they run on any managed host: wait a while for
-the server to answer /health (or its process died: then the log's last lines say why), compare the
-live /server_info with what was asked, and send a probe request whose capture file is checked
-by reading the safetensors header (no torch needed).
+the server to answer /health (or its process died, or its systemd unit stopped: then the unit's
+state and the log's last lines say why), compare the live /server_info with what was asked, and
+send a probe request whose capture file is checked by reading the safetensors header (no torch
+needed).
 """
 
 from __future__ import absolute_import, division, print_function
 
 import json
 import os
+import signal
 import struct
+import subprocess
 import time
 import uuid
 from urllib.error import HTTPError, URLError
@@ -66,16 +69,75 @@ def pid_running(pid):
     return state not in (b"Z", b"X")
 
 
-def wait_health(base_url, wait_s, api_key=None, pid=None, log_file=None, poll_s=0.25):
+# The unit's properties that say whether systemd still runs its server, and how its main process ended.
+UNIT_PROPERTIES = ("ActiveState", "SubState", "Result", "MainPID", "ExecMainPID", "ExecMainCode", "ExecMainStatus")
+# ActiveState values in which the unit's main process runs (or starts).
+UNIT_RUNNING = ("active", "activating", "reloading")
+# ExecMainCode as systemctl shows it: the si_code of the main process's end (CLD_EXITED, CLD_KILLED, CLD_DUMPED).
+UNIT_MAIN_EXITED = ("1", "exited")
+UNIT_MAIN_KILLED = ("2", "3", "killed", "dumped")
+
+
+def unit_state(unit):
+    """The systemd unit's state as ``systemctl show`` gives it: {property: value} for UNIT_PROPERTIES."""
+    argv = ["systemctl", "show", "--property=" + ",".join(UNIT_PROPERTIES), "--", unit]
+    try:
+        shown = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ServerError("cannot read the state of the unit %s (%s): %s" % (unit, " ".join(argv), exc)) from exc
+    if shown.returncode != 0:
+        raise ServerError("cannot read the state of the unit %s: %s" % (unit, (shown.stderr or shown.stdout).strip()))
+    return dict(line.split("=", 1) for line in shown.stdout.splitlines() if "=" in line)
+
+
+def _signal_name(number):
+    try:
+        return signal.Signals(int(number)).name
+    except ValueError:
+        return ""
+
+
+def unit_stopped(unit, state, pid=None):
+    """Why ``unit`` no longer runs the server (``pid``: its main process at the start); "" while it does."""
+    main = int(state.get("MainPID") or 0)
+    active = state.get("ActiveState", "")
+    if active in UNIT_RUNNING and main > 0 and (not pid or main == pid):
+        return ""
+    shown = "ActiveState=%s, SubState=%s, Result=%s" % (active, state.get("SubState", ""), state.get("Result", ""))
+    if active in UNIT_RUNNING and main > 0:
+        return "the unit %s runs another main process, %d, not the server %d it started: it was restarted (%s)" % (
+            unit, main, pid, shown)
+    ended = int(state.get("ExecMainPID") or 0) or pid
+    code, status = state.get("ExecMainCode", ""), state.get("ExecMainStatus", "")
+    if code in UNIT_MAIN_KILLED:
+        name = _signal_name(status)
+        how = "was killed by signal %s%s" % (status, " (%s)" % name if name else "")
+    elif code in UNIT_MAIN_EXITED:
+        how = "exited with status %s" % status
+    else:
+        how = "is not running"
+    return "the unit %s stopped: its main process%s %s (%s)" % (unit, " %d" % ended if ended else "", how, shown)
+
+
+def wait_health(base_url, wait_s, api_key=None, pid=None, log_file=None, poll_s=0.25, unit=None):
     """Poll /health for up to ``wait_s`` seconds; return (ready, seconds waited, the last answer or error).
 
     Returns as soon as /health answers 200. Fails at once, with the log's last lines, when
-    ``pid`` (the server process) has exited.
+    ``pid`` (the server process) has exited, or, given the systemd ``unit`` that runs it, when
+    the unit's state says that it no longer runs that process (the failure names the unit and how
+    its process ended).
     """
     start = time.monotonic()
     last = "no answer yet"
     while True:
-        if pid and not pid_running(pid):
+        if unit:
+            stopped = unit_stopped(unit, unit_state(unit), pid)
+            if stopped:
+                raise ServerError(
+                    "%s, before the server was ready (systemctl status %s says more); last lines of %s:\n%s"
+                    % (stopped, unit, log_file, log_tail(log_file))
+                )
+        elif pid and not pid_running(pid):
             raise ServerError(
                 "the server process %d exited before it was ready; last lines of %s:\n%s"
                 % (pid, log_file, log_tail(log_file))

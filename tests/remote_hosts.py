@@ -8,8 +8,13 @@ until ``systemctl is-system-running`` answers ``running`` over SSH. One director
 bind-mounted into every host at the same path, as a shared filesystem (NFS, Lustre, ...) would be.
 The hosts have no route beyond the bridge: like many GPU clusters, they reach no package registry.
 
-``down`` powers them off and removes what ``up`` made (the cached root filesystem stays). ``up``
-runs ``down`` first, so a run that was killed half-way leaves nothing that stops the next one.
+``index`` serves a wheelhouse (``eagle3-pipeline wheelhouse``) to the hosts as a PEP 503 simple
+index on the bridge, as a site's own mirror would (``python -m http.server`` over ``simple/<project>/``,
+each request logged with the address that asked): the install without a wheelhouse, through
+``eagle3_pip_extra_args``, has an index to reach.
+
+``down`` powers them off, stops the index and removes what ``up`` made (the cached root filesystem
+stays). ``up`` runs ``down`` first, so a run that was killed half-way leaves nothing that stops the next one.
 
 The work dir then holds what an operator's controller would hold: ``ssh_config`` (an alias per
 host, as operators name their hosts: the alias resolves nowhere but in this file), the key, the
@@ -17,6 +22,7 @@ hosts' keys in ``known_hosts`` (strict checking stays on) and the sudo password 
 0600. ``molecule/remote`` and ``tests/integration/test_remote_hosts.py`` use it.
 
     python3 tests/remote_hosts.py up [--count 2] [--work DIR]
+    python3 tests/remote_hosts.py index --wheelhouse DIR [--work DIR]
     python3 tests/remote_hosts.py down [--work DIR]
 
 Needs root, mmdebstrap and systemd-container (``make remote-host-tools`` installs them).
@@ -28,9 +34,11 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -51,6 +59,7 @@ SUBNET = "10.213.7"  # the bridge is .1, host N is .(10 + N): a private range on
 USER = "ops"
 SHARED_MOUNT = "/srv/eagle3-shared"
 BOOT_TIMEOUT_S = 120
+INDEX_PORT = 8141  # the package index, on the bridge's address
 
 
 def recipe_hash() -> str:
@@ -230,6 +239,59 @@ def up(work: Path = DEFAULT_WORK, count: int = 2) -> dict:
     return state
 
 
+def project_name(wheel: str) -> str:
+    """The PEP 503 name of a wheel file's project (its first field, normalized): simple/<name>/ holds it."""
+    return re.sub(r"[-_.]+", "-", wheel.split("-", 1)[0]).lower()
+
+
+def stop_index(state: dict) -> None:
+    """Stop the package index that ``index`` started, if it runs."""
+    pid = state.get("index", {}).get("pid")
+    if pid:
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        _wait_gone(pid, 10)
+
+
+def index(work: Path, wheelhouse: Path, port: int = INDEX_PORT) -> dict:
+    """Serve ``wheelhouse`` as a simple index on the bridge; returns {url, pid, log} (also in state.json)."""
+    state_file = work / "state.json"
+    if not state_file.exists():
+        raise RuntimeError(f"no hosts in {work}: run `up` first (the index listens on their bridge)")
+    wheels = sorted(wheelhouse.glob("*.whl"))
+    if not wheels:
+        raise RuntimeError(f"{wheelhouse} holds no wheels: make it with `eagle3-pipeline wheelhouse`")
+    state = json.loads(state_file.read_text())
+    stop_index(state)
+    root = work / "index"
+    shutil.rmtree(root, ignore_errors=True)
+    for wheel in wheels:
+        project = root / "simple" / project_name(wheel.name)
+        project.mkdir(parents=True, exist_ok=True)
+        (project / wheel.name).symlink_to(wheel.resolve())
+    address = f"{SUBNET}.1"
+    log = work / "index.log"
+    with open(log, "ab") as handle:
+        server = subprocess.Popen(  # noqa: S603 - argv, no shell
+            [sys.executable, "-u", "-m", "http.server", "--bind", address, "--directory", str(root), str(port)],
+            stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    state["index"] = {"url": f"http://{address}:{port}/simple", "pid": server.pid, "log": str(log),
+                      "projects": len({project_name(wheel.name) for wheel in wheels})}
+    state_file.write_text(json.dumps(state, indent=2) + "\n")
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection((address, port), timeout=1).close()
+            return state["index"]
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the index did not start on {address}:{port}: {log.read_text()[-2000:]}") from None
+            time.sleep(0.1)
+
+
 def _processes_rooted_in(rootfs: Path) -> list[int]:
     """PIDs whose root directory is ``rootfs`` (a container's processes, nspawn gone or not)."""
     pids = []
@@ -258,6 +320,7 @@ def down(work: Path = DEFAULT_WORK) -> None:
     """Power the hosts off (SIGTERM to nspawn powers a container off), then remove what ``up`` made."""
     state_file = work / "state.json"
     state = json.loads(state_file.read_text()) if state_file.exists() else {"hosts": []}
+    stop_index(state)
     for host in state["hosts"]:
         pid = host["nspawn_pid"]
         try:
@@ -282,14 +345,19 @@ def down(work: Path = DEFAULT_WORK) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line: up or down."""
+    """The command line: up, index or down."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("action", choices=["up", "down"])
+    parser.add_argument("action", choices=["up", "index", "down"])
     parser.add_argument("--work", type=Path, default=DEFAULT_WORK, help="where the hosts and the SSH files go")
     parser.add_argument("--count", type=int, default=2, help="how many hosts (up)")
+    parser.add_argument("--wheelhouse", type=Path, help="the wheelhouse to serve as the hosts' index (index)")
     args = parser.parse_args(argv)
     try:
-        if args.action == "up":
+        if args.action == "index":
+            if args.wheelhouse is None:
+                parser.error("index needs --wheelhouse DIR")
+            print(json.dumps(index(args.work.resolve(), args.wheelhouse.resolve())))
+        elif args.action == "up":
             started = time.monotonic()
             state = up(args.work.resolve(), args.count)
             print(json.dumps({"hosts": [h["name"] for h in state["hosts"]],

@@ -11,13 +11,16 @@ from eagle3_pipeline.cli import runner_path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_project_playbook(private_data_dir: Path, playbook: Path, inventory: Path, extravars: dict,
+def run_project_playbook(private_data_dir: Path, playbook: Path, inventory: Path | list[str], extravars: dict,
                          check: bool = False):
-    """The finished ``ansible_runner.Runner`` of ``playbook`` (quiet; no colours in its stdout)."""
+    """The finished ``ansible_runner.Runner`` of ``playbook`` (quiet; no colours in its stdout).
+
+    ``inventory``: one file, or several (each one a ``-i``, as an operator may give them).
+    """
     return ansible_runner.run(
         private_data_dir=str(private_data_dir),
         playbook=str(playbook),
-        inventory=str(inventory),
+        inventory=inventory if isinstance(inventory, list) else str(inventory),
         extravars=extravars,
         cmdline="--check" if check else None,
         # PATH: ansible-runner finds ansible-playbook there; the venv needs no activation.

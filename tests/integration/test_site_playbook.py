@@ -1,9 +1,12 @@
-"""playbooks/site.yml when the extraction fails: the play fails naming the cause, the capture
-server it started is stopped anyway (block/always), and nothing after the extraction runs.
+"""playbooks/site.yml on localhost, through ansible-runner as the Python API runs it: the failure
+paths (a failing extraction: the play fails naming the cause, the capture server it started is
+stopped anyway by block/always, and nothing after the extraction runs; missing held-out prompts fail
+the run at its start), and the local path itself: site.yml on inventory/local.yml, what `make demo`
+runs (connection local, the process supervisor, the regeneration, no fetch), at small sizes, through
+to the report, then a rerun that changes nothing.
 
-The whole pipeline's success path (check on fresh hosts, converge, idempotence, verify) is the
-Molecule ``remote`` scenario, over SSH on two booted hosts; these tests cover the failure paths
-on localhost, through ansible-runner as the Python API runs it.
+The remote path (check on fresh hosts, converge, idempotence, verify over SSH on two hosts booted
+with systemd) is the Molecule ``remote`` scenario.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from eagle3_pipeline.models.tiny import build_tiny_model
 from eagle3_pipeline.serve.supervisor import Service
 
 PLAYBOOK = ROOT / "playbooks" / "site.yml"
+DEMO_INVENTORY = ROOT / "inventory" / "local.yml"
 
 
 def free_port() -> int:
@@ -50,6 +54,39 @@ def local_inventory(tmp_path: Path, dataset: Path, **extra) -> Path:
     inventory = tmp_path / "inventory.yml"
     inventory.write_text(yaml.safe_dump({"all": {"children": {"gpu_hosts": {"hosts": {"localhost": variables}}}}}))
     return inventory
+
+
+def demo_inventories(tmp_path: Path) -> list[str]:
+    """inventory/local.yml, and beside it this host's variables for a run at small sizes: every path under
+    ``tmp_path/demo``, free ports, 16 conversations.
+
+    Host variables, not extra vars: they override the inventory's group variables as an operator's
+    would, and leave what the playbook and the roles set (the regeneration's serving port, the
+    regenerated dataset for the extraction) to them; extra vars would win over those too.
+    """
+    build_tiny_model(ROOT / ".cache" / "models" / "tiny-llama")  # the inventory's model (built once, shared)
+    demo = tmp_path / "demo"
+    variables = {
+        "gpu_reset_report_dir": str(demo / "gpu_reset"),
+        "sglang_server_state_dir": str(demo / "servers"), "sglang_server_capture_dir": str(demo / "capture"),
+        "sglang_server_port": free_port(), "regeneration_server_port": free_port(),
+        "regeneration_output_dir": str(demo / "regenerated"), "regeneration_max_new_tokens": 24,
+        "regeneration_poll_s": 1, "regeneration_command_poll_s": 1,
+        "extraction_dataset": str(demo / "dataset" / "train.jsonl"), "extraction_output_dir": str(demo / "data"),
+        "extraction_state_dir": str(demo / "jobs"), "extraction_num_samples": 16, "extraction_poll_s": 1,
+        "extraction_command_poll_s": 1,
+        "eagle_training_output_dir": str(demo / "training"), "eagle_training_drafter_dir": str(demo / "drafter"),
+        "eagle_training_state_dir": str(demo / "jobs"), "eagle_training_draft_vocab_size": 512,
+        "eagle_training_ttt_length": 3, "eagle_training_epochs": 1, "eagle_training_batch_tokens": 256,
+        "eagle_training_eval_ratio": 0.2, "eagle_training_master_port": free_port(),
+        "eagle_training_poll_interval": 1,
+        "evaluation_drafter_dir": str(demo / "drafter"), "evaluation_output_dir": str(demo / "evaluation"),
+        "evaluation_num_prompts": 4, "evaluation_max_new_tokens": 16, "evaluation_draft_tokens": [3],
+        "evaluation_poll_s": 1,
+    }
+    overlay = tmp_path / "small.yml"
+    overlay.write_text(yaml.safe_dump({"all": {"hosts": {"localhost": variables}}}))
+    return [str(DEMO_INVENTORY), str(overlay)]
 
 
 def task_starts(runner) -> list[dict]:
@@ -85,19 +122,54 @@ def test_a_failing_extraction_still_stops_the_server_and_stops_the_pipeline(tmp_
         assert Service(work / "servers", state.stem).status()["running"] is False
 
 
-def test_missing_held_out_prompts_fail_the_run_at_its_start_not_after_the_training(tmp_path):
-    # No evaluation_prompts: the default is <dataset>.heldout.jsonl beside the dataset, on the host.
-    dataset = tmp_path / "conversations.jsonl"
-    turns = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]
-    dataset.write_text(json.dumps({"id": "a", "conversations": turns}) + "\n")
-    inventory = local_inventory(tmp_path, dataset)
+def test_the_demo_fails_at_its_start_without_held_out_prompts_then_runs_through_and_a_rerun_changes_nothing(
+    tmp_path,
+):
+    # The demo's inventory with no dataset builder: nothing writes <dataset>.heldout.jsonl, the default
+    # evaluation_prompts on the host, and the run must say so before any server starts.
+    inventories = demo_inventories(tmp_path)
+    heldout = tmp_path / "demo" / "dataset" / "train.heldout.jsonl"
 
-    (tmp_path / "runner").mkdir()
-    runner = run_project_playbook(tmp_path / "runner", PLAYBOOK, inventory, {})
+    (tmp_path / "missing").mkdir()
+    runner = run_project_playbook(tmp_path / "missing", PLAYBOOK, inventories, {"extraction_build_demo_dataset": False})
 
     assert runner.status == "failed"
     failed = [e["event_data"] for e in runner.events if e["event"] == "runner_on_failed"]
     message = json.dumps([e["res"].get("msg") for e in failed])
-    assert f"{tmp_path / 'conversations.heldout.jsonl'}" in message and "evaluation_prompts" in message, message
+    assert f"{heldout}" in message and "evaluation_prompts" in message, message
     ran = {(e.get("role"), e.get("task")) for e in task_starts(runner)}
-    assert not any(role in ("sglang_server", "extraction", "eagle_training") for role, _ in ran), sorted(ran)
+    stages = ("sglang_server", "regeneration", "extraction", "eagle_training")
+    assert not any(role in stages for role, _ in ran), sorted(ran)
+
+    # As `make demo` runs it (the builder writes the conversations and their held-out prompts): every stage
+    # from the regeneration to the report, on this machine under the process supervisor.
+    (tmp_path / "first").mkdir()
+    first = run_project_playbook(tmp_path / "first", PLAYBOOK, inventories, {})
+
+    assert first.status == "successful", first.stdout.read()
+    work = tmp_path / "demo"
+    regenerated = json.loads((work / "regenerated" / "regeneration.json").read_text())
+    data = json.loads((work / "data" / "data_config.json").read_text())
+    training = json.loads((work / "training" / "training.json").read_text())
+    evaluation = json.loads((work / "evaluation" / "evaluation.json").read_text())
+    assert regenerated["num_conversations"] == 16 and regenerated["generated_tokens"] > 0
+    # The extraction read the regenerated conversations (site.yml points it there).
+    assert data["num_samples"] == 16 and data["failed"] == []
+    assert training["steps"] > 0 and evaluation["prompts"] == 4 and evaluation["verdict"]["passed"]
+    assert "acceptance" in (work / "report" / "index.html").read_text().lower()
+    roles = {e.get("role") for e in task_starts(first)}
+    assert {"regeneration", "sglang_server", "extraction", "eagle_training", "evaluation", "report"} <= roles
+    for state in (work / "servers").glob("*.json"):  # both servers (serving, capture) were stopped
+        assert Service(work / "servers", state.stem).status()["running"] is False
+    assert not any(e.get("task") == "Fetch them to the controller" for e in task_starts(first)), "a local run fetches"
+
+    (tmp_path / "again").mkdir()
+    again = run_project_playbook(tmp_path / "again", PLAYBOOK, inventories, {})
+
+    assert again.status == "successful", again.stdout.read()
+    assert again.stats["changed"].get("localhost", 0) == 0, [
+        (e["event_data"].get("role"), e["event_data"].get("task")) for e in again.events
+        if e["event"] == "runner_on_ok" and e["event_data"]["res"].get("changed")]
+    assert not [e for e in again.events if e["event"] == "runner_on_ok"
+                and e["event_data"]["task"] == "Start the server (a changed configuration restarts it)"], (
+        "the rerun started a server over finished data")

@@ -9,9 +9,11 @@ in-process, one call at a time, as its action plugin calls it (the loop itself: 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -23,6 +25,7 @@ from ansible.module_utils.sglang_http import (
     probe,
     safetensors_shapes,
     server_info_mismatches,
+    unit_stopped,
     wait_health,
     wait_ready,
 )
@@ -135,6 +138,47 @@ def test_wait_ready_fails_at_once_when_the_process_died_with_the_log_tail(tmp_pa
     dead.wait()
     with pytest.raises(ServerError, match="exited before it was ready(.|\n)*CUDA out of memory"):
         wait_ready("http://127.0.0.1:9", 60, pid=dead.pid, log_file=str(log))
+
+
+# What `systemctl show` says of a unit (systemd 252, Debian bookworm): running, its main process
+# SIGKILLed, exited with status 2, and restarted under another main process.
+UNIT = "eagle3-reference-30090.service"
+RUNNING = {"ActiveState": "active", "SubState": "running", "Result": "success", "MainPID": "4242",
+           "ExecMainPID": "4242", "ExecMainCode": "0", "ExecMainStatus": "0"}
+
+
+@pytest.mark.parametrize(
+    ("state", "expected"),
+    [
+        (RUNNING, ""),
+        ({**RUNNING, "ActiveState": "failed", "SubState": "failed", "Result": "signal", "MainPID": "0",
+          "ExecMainCode": "2", "ExecMainStatus": "9"},
+         f"the unit {UNIT} stopped: its main process 4242 was killed by signal 9 (SIGKILL) "
+         "(ActiveState=failed, SubState=failed, Result=signal)"),
+        ({**RUNNING, "ActiveState": "failed", "SubState": "failed", "Result": "exit-code", "MainPID": "0",
+          "ExecMainCode": "1", "ExecMainStatus": "2"},
+         f"the unit {UNIT} stopped: its main process 4242 exited with status 2 "
+         "(ActiveState=failed, SubState=failed, Result=exit-code)"),
+        ({**RUNNING, "MainPID": "5151", "ExecMainPID": "5151"},
+         f"the unit {UNIT} runs another main process, 5151, not the server 4242 it started: it was restarted "
+         "(ActiveState=active, SubState=running, Result=success)"),
+        ({"ActiveState": "inactive", "SubState": "dead", "Result": "success", "MainPID": "0"},
+         f"the unit {UNIT} stopped: its main process 4242 is not running (ActiveState=inactive, SubState=dead, "
+         "Result=success)"),
+    ],
+    ids=["running", "killed", "exited", "restarted", "stopped"],
+)
+def test_the_units_state_says_whether_it_runs_the_server_and_how_its_process_ended(state, expected):
+    assert unit_stopped(UNIT, state, pid=4242) == expected
+
+
+def test_a_unit_that_runs_nothing_fails_the_wait_at_once_naming_it():
+    # Under systemd the unit does not exist (inactive); elsewhere systemctl cannot say (this machine's PID 1
+    # is not systemd; the hosts of molecule/remote, where the role's wait is shown on a killed server, are).
+    started = time.monotonic()
+    with pytest.raises(ServerError, match=re.escape(UNIT)):
+        wait_health("http://127.0.0.1:9", 30, unit=UNIT)
+    assert time.monotonic() - started < 10
 
 
 def test_wait_ready_times_out_naming_the_variable(tmp_path):
