@@ -183,7 +183,7 @@ def measure(drafters: dict[str, Path], data_dir: Path, args, dtype: str, prompts
     target_path = manifest["target_model_path"]
     renderer = load_renderer(Path(target_path), manifest.get("chat_template_file"))
     started = time.perf_counter()
-    selection = select_heldout_prompts(args.sharegpt, renderer, data, prompts, prompts)
+    selection = select_heldout_prompts(args.sharegpt, renderer, data, prompts, prompts, args.max_new_tokens)
     say(f"{len(selection.prompts)} held-out prompts ({len(selection.excluded)} excluded as seen in training) in "
         f"{time.perf_counter() - started:.1f} s")
     target = TargetModel.load(target_path, [int(a) for a in manifest["aux_layers"]], device=args.device,
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="1: the site run with regeneration only; 2: everything after it (a device call each)")
     parser.add_argument("--fp32-prompts", type=int, default=32, help="held-out prompts of the float32 re-measurement")
     args = parser.parse_args(argv)
-    args.work = args.work.resolve()
+    args.work, args.gguf, args.sharegpt = args.work.resolve(), args.gguf.resolve(), args.sharegpt.resolve()
     args.work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"),
                                                                      os.environ.get("PYTHONPATH")])),

@@ -53,7 +53,7 @@ def test_teacher_forced_slot_decoding_matches_full_forwards(smollm2_shaped, dtyp
         sequences = [[rng.randrange(49152) for _ in range(rng.randrange(5, 900) + STEPS)] for _ in range(count)]
         prompts = [seq[:-STEPS] for seq in sequences]
         with torch.inference_mode():
-            got = [decoder.prefill(slots, prompts)]
+            got = [decoder.prefill(slots, prompts)[0]]
             for step in range(STEPS - 1):
                 got.append(decoder.decode(slots, [seq[len(p) + step] for seq, p in zip(sequences, prompts)],
                                           [len(p) + step for p in prompts]))

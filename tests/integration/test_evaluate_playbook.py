@@ -120,7 +120,8 @@ def test_training_conversations_among_the_prompts_are_excluded_and_listed(
     assert [(e["id"], e["line"], e["reason"]) for e in result["excluded_prompts"]] == [
         (ids[0], 1, "same id as a training sample"), (ids[1], 3, "same id as a training sample")]
     assert not set(ids) & set(result["prompt_ids"])
-    assert any("2 excluded as seen in training or repeated" in line for line in _shown(measured))
+    assert any("2 excluded: seen in training, repeated or longer than the training's samples" in line
+               for line in _shown(measured))
 
 
 def test_too_few_prompts_left_after_the_exclusions_refuse_by_name(
@@ -135,7 +136,8 @@ def test_too_few_prompts_left_after_the_exclusions_refuse_by_name(
 
     assert refused.status == "failed"
     messages = [e["event_data"]["res"].get("msg", "") for e in refused.events if e.get("event") == "runner_on_failed"]
-    assert any("only 1 usable held-out prompt(s), at least 2 needed: 5 excluded as seen in training" in m and
+    assert any("only 1 usable held-out prompt(s), at least 2 needed: 5 excluded as seen in training, repeated or "
+               "too long" in m and
                "demo-00000 (same id as a training sample: demo-00000)" in m for m in messages), messages
     assert not (tmp_path / "evaluation" / "evaluation.json").exists()
 

@@ -142,9 +142,14 @@ def test_the_demo_fails_at_its_start_without_held_out_prompts_then_runs_through_
     assert not any(role in stages for role, _ in ran), sorted(ran)
 
     # As `make demo` runs it (the builder writes the conversations and their held-out prompts): every stage
-    # from the regeneration to the report, on this machine under the process supervisor.
+    # from the regeneration to the report, on this machine under the process supervisor. The capture port and
+    # the dataset given as extra vars, as an operator may (-e): they outrank every variable the playbook and
+    # the roles set, yet the regeneration's server keeps its own port and the extraction reads the regenerated
+    # conversations.
+    host = yaml.safe_load(Path(inventories[1]).read_text())["all"]["hosts"]["localhost"]
+    extra = {"sglang_server_port": host["sglang_server_port"], "extraction_dataset": host["extraction_dataset"]}
     (tmp_path / "first").mkdir()
-    first = run_project_playbook(tmp_path / "first", PLAYBOOK, inventories, {})
+    first = run_project_playbook(tmp_path / "first", PLAYBOOK, inventories, extra)
 
     assert first.status == "successful", first.stdout.read()
     work = tmp_path / "demo"
@@ -153,8 +158,11 @@ def test_the_demo_fails_at_its_start_without_held_out_prompts_then_runs_through_
     training = json.loads((work / "training" / "training.json").read_text())
     evaluation = json.loads((work / "evaluation" / "evaluation.json").read_text())
     assert regenerated["num_conversations"] == 16 and regenerated["generated_tokens"] > 0
-    # The extraction read the regenerated conversations (site.yml points it there).
+    # The extraction read the regenerated conversations (site.yml points it there), and each server had its port.
     assert data["num_samples"] == 16 and data["failed"] == []
+    assert data["dataset"]["name"] == "regenerated.jsonl", data["dataset"]
+    assert {state.stem for state in (work / "servers").glob("*.json")} == {
+        f"eagle3-reference-{host['regeneration_server_port']}", f"eagle3-reference-{host['sglang_server_port']}"}
     assert training["steps"] > 0 and evaluation["prompts"] == 4 and evaluation["verdict"]["passed"]
     assert "acceptance" in (work / "report" / "index.html").read_text().lower()
     roles = {e.get("role") for e in task_starts(first)}
@@ -164,7 +172,7 @@ def test_the_demo_fails_at_its_start_without_held_out_prompts_then_runs_through_
     assert not any(e.get("task") == "Fetch them to the controller" for e in task_starts(first)), "a local run fetches"
 
     (tmp_path / "again").mkdir()
-    again = run_project_playbook(tmp_path / "again", PLAYBOOK, inventories, {})
+    again = run_project_playbook(tmp_path / "again", PLAYBOOK, inventories, extra)
 
     assert again.status == "successful", again.stdout.read()
     assert again.stats["changed"].get("localhost", 0) == 0, [

@@ -136,7 +136,8 @@ def test_too_few_prompts_left_refuses_naming_the_exclusions(tmp_path, renderer, 
     path = _write_jsonl(tmp_path / "held.jsonl", [
         _chat("renamed", "Explain the Python module json.", "x"), _chat("h-1", "Never trained on?", "y")])
     with pytest.raises(HeldoutError, match=r"only 1 usable held-out prompt\(s\), at least 2 needed: 1 excluded as "
-                                           r"seen in training \(renamed \(same prompt tokens as a training sample: "
+                                           r"seen in training, repeated or too long \(renamed \(same prompt tokens "
+                                           r"as a training sample: "
                                            r"t-1\)\)"):
         select_heldout_prompts(path, renderer, training_data, 5, min_prompts=2)
 
@@ -158,3 +159,24 @@ def test_ids_the_reader_made_up_are_known_from_the_manifest():
              {"id": "line-2", "line": 2}, {"id": "t-9", "line": 3}]
     assert _generated_ids(SimpleNamespace(manifest={"shards": {"rows_0-8": {"files": files}}})) == {"record-3",
                                                                                                   "line-2"}
+
+
+def test_prompts_whose_decode_passes_the_trainings_max_length_are_excluded(tmp_path, renderer, training_data):
+    """The extraction skipped such records (too long): from the training's own file they are its records that did
+    not fit, and the drafter never trained at those positions, so they are not held-out prompts."""
+    path = _write_jsonl(tmp_path / "held.jsonl", [
+        _chat("long", "Explain, in detail, " + "every module of the standard library " * 4, "x"),
+        _chat("short", "What is the class zipfile.ZipFile used for?", "y")])
+    prompts, _ = load_heldout_prompts(path, renderer)
+    long_tokens, short_tokens = (len(p.input_ids) for p in prompts)
+    assert long_tokens > short_tokens
+    max_length = training_data.manifest["max_length"]
+    selection = select_heldout_prompts(path, renderer, training_data, 5, max_new_tokens=max_length - short_tokens)
+    assert [p.sample_id for p in selection.prompts] == ["short"]
+    assert selection.excluded == [{
+        "id": "long", "line": 1, "reason": "longer than the training's samples",
+        "other": f"{long_tokens} prompt tokens + {max_length - short_tokens} new > max_length {max_length}"}]
+    assert selection.summary()["longest_prompt_tokens"] == short_tokens
+    # One token more of decode and the short prompt passes the limit too: nothing is left.
+    with pytest.raises(HeldoutError, match="only 0 usable held-out prompt"):
+        select_heldout_prompts(path, renderer, training_data, 5, max_new_tokens=max_length - short_tokens + 1)

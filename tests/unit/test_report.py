@@ -350,7 +350,7 @@ def test_the_evaluation_verdict_chains_exclusions_and_output_check_are_shown(tmp
                               "outputs equal the target's own greedy decode.")
     assert "At each chain length (same prompts)" in page and "0.500 / 0.500 / 0.400" in page
     assert "The verdict per draft position" in page and "no: too few rounds" in page
-    assert "Prompts excluded (1): seen in training or repeated" in page and "held-bad" in page
+    assert "Prompts excluded (1): seen in training, repeated or too long" in page and "held-bad" in page
     assert "1 differ at a numerical near-tie (logit gaps 0.062), 0 differ otherwise" in page
 
 
@@ -430,7 +430,7 @@ def test_the_verdict_lists_each_check_and_what_to_look_at(tmp_path):
     assert "3 1.90 2.02 94% 2 judged, all within" in verdict
     assert "7 2.10 - (the training simulates 3 draft positions) - none (too few rounds)" in verdict
     after = verdict[verdict.index("What to look at"):]
-    for item in ("1 held-out prompt excluded: seen in training or repeated", "1 dataset record skipped: "
+    for item in ("1 held-out prompt excluded: seen in training, repeated or longer", "1 dataset record skipped: "
                  "no_assistant_turn (1)", "1 sample failed the check, not stored: top1_mismatch bad (1)",
                  "localhost: 1 process left running: 77 (protected)"):
         assert item in after, item

@@ -48,6 +48,10 @@ SHOWN_EXCLUSIONS = 20  # log lines; evaluation.json lists every excluded prompt
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_VERDICT_FAILED = 0, 1, 2, 3
 RESULT_FILE = "evaluation.json"
 RESULT_FORMAT = "eagle3-pipeline/evaluation"
+# Which prompts the held-out selection takes (``heldout.select_heldout_prompts``); raised when that rule changes,
+# so that a result measured on prompts the rule now refuses is measured again. 2: prompts whose decode passes
+# the training's max_length are excluded.
+HELDOUT_RULE = 2
 ENGINES = ("reference", "sglang")
 # SGLang's default chain for EAGLE3 drafters (3 steps, topk 1, 4 verified tokens, see
 # serve/sglang_command.py DEFAULT_SPECULATIVE_STEPS) and the longer chain peers publish (SpecForge's
@@ -181,6 +185,7 @@ def fingerprint(args: argparse.Namespace, inputs: dict) -> str:
         "device": args.device if args.engine == "reference" else None,
         "dtype": args.dtype if args.engine == "reference" else None,
         "check_outputs": args.check_outputs if args.engine == "reference" else None,
+        "heldout_rule": HELDOUT_RULE,
     }  # fmt: skip
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
@@ -242,7 +247,7 @@ def measure_chains(target, proposer, prompt_ids: list[list[int]], draft_tokens: 
         stats = AcceptanceStats(chain)
         results = [None] * len(prompt_ids)
         began = time.perf_counter()
-        batches = batches_by_tokens(prompt_ids, batch_tokens, reserve=max_new_tokens * (chain + 1))
+        batches = batches_by_tokens(prompt_ids, batch_tokens, reserve=target.reserve(max_new_tokens, chain))
         for batch in batches:
             decoded = speculative_generate(target, proposer, [prompt_ids[i] for i in batch], max_new_tokens, chain,
                                            ignore_eos)
@@ -417,7 +422,8 @@ def _run(args: argparse.Namespace) -> int:
                 _say(line)
             return EXIT_OK if (done.get("verdict") or {}).get("passed", True) else EXIT_VERDICT_FAILED
         data, renderer, aux_layers = _prepare(inputs)
-        selection = select_heldout_prompts(inputs["prompts"], renderer, data, args.num_prompts, _min_prompts(args))
+        selection = select_heldout_prompts(inputs["prompts"], renderer, data, args.num_prompts, _min_prompts(args),
+                                           args.max_new_tokens)
         prompts = selection.prompts
         for line in selection.skipped:
             _say(f"prompt left out: {line}")
@@ -425,8 +431,8 @@ def _run(args: argparse.Namespace) -> int:
             _say(f"prompt excluded: {entry['id']} (line {entry['line']}): {entry['reason']} {entry['other']}")
         if len(selection.excluded) > SHOWN_EXCLUSIONS:
             _say(f"... and {len(selection.excluded) - SHOWN_EXCLUSIONS} more excluded (evaluation.json lists all)")
-        _say(f"{len(prompts)} held-out prompts, none among the {selection.training_samples} training samples "
-             f"({len(selection.excluded)} excluded)")
+        _say(f"{len(prompts)} held-out prompts, none among the {selection.training_samples} training samples, none "
+             f"over {selection.longest_prompt or 'any'} tokens ({len(selection.excluded)} excluded)")
         started = time.time()
         if args.engine == "reference":
             measured = run_reference(args, prompts, aux_layers, inputs["target_model_path"])

@@ -28,7 +28,10 @@ eval split alike):
 A prompt either test finds is EXCLUDED and listed (its id, line, the reason and the training sample
 it matches) in evaluation.json and the report, and the next prompt of the file is taken instead;
 so is a prompt that repeats an earlier held-out one (ShareGPT repeats prompts; one prompt counted
-twice is not two measurements). The evaluation fails only when fewer than its minimum remain.
+twice is not two measurements). So is a prompt whose decode would reach past the training's
+``max_length``: the extraction skipped such records as too long, so from the training's own file they
+are the records that did not fit (not a sample of what the drafter learned), and the drafter never
+trained at those positions. The evaluation fails only when fewer than its minimum remain.
 """
 
 from __future__ import annotations
@@ -71,8 +74,19 @@ def _first_assistant(messages) -> int | None:
     return next((index for index, message in enumerate(messages) if message["role"] == "assistant"), None)
 
 
-def iter_heldout_prompts(path: str | os.PathLike, renderer: ChatRenderer) -> Iterator[HeldoutPrompt | str]:
-    """Every record of ``path`` as a ``HeldoutPrompt``, or a line saying why it was left out, in file order."""
+@dataclass(frozen=True)
+class KnownId:
+    """A record whose id is in ``known_ids`` (a training sample's): not rendered, it is excluded anyway."""
+
+    sample_id: str
+    line: int
+
+
+def iter_heldout_prompts(path: str | os.PathLike, renderer: ChatRenderer, known_ids: frozenset[str] = frozenset(),
+                         ) -> Iterator[HeldoutPrompt | KnownId | str]:
+    """Every record of ``path`` as a ``HeldoutPrompt``, a ``KnownId`` (its id is in ``known_ids``: rendering a
+    long conversation only to exclude it would cost most of the selection when the prompts file is the
+    training's own dataset), or a line saying why it was left out, in file order."""
     path = Path(path)
     if not path.is_file():
         raise HeldoutError(f"{path}: no such file (the held-out prompts: ShareGPT or OpenAI records, JSONL or a JSON "
@@ -80,6 +94,9 @@ def iter_heldout_prompts(path: str | os.PathLike, renderer: ChatRenderer) -> Ite
     for record in read_dataset(path):
         if not isinstance(record, Sample):
             yield f"line {record.line}: {record.reason}: {record.detail}"
+            continue
+        if not record.id_generated and record.sample_id in known_ids:
+            yield KnownId(record.sample_id, record.line)
             continue
         first = _first_assistant(record.messages)
         if not first:
@@ -142,6 +159,13 @@ def _generated_ids(data) -> set[str]:
             if entry.get("id_generated", str(entry["id"]) == f"line-{entry.get('line')}")}
 
 
+def longest_prompt(data, max_new_tokens: int) -> int | None:
+    """The most prompt tokens a held-out prompt may have: the training's ``max_length`` less the tokens the
+    evaluation decodes after it (at least 1), or None when the manifest records no ``max_length``."""
+    max_length = data.manifest.get("max_length")
+    return None if not max_length else max(1, int(max_length) - max(0, int(max_new_tokens)))
+
+
 @dataclass
 class HeldoutSelection:
     """The prompts the evaluation may use, the ones it excluded (id, line, reason) and the records left out."""
@@ -150,41 +174,54 @@ class HeldoutSelection:
     excluded: list[dict]
     skipped: list[str]
     training_samples: int
+    longest_prompt: int | None = None  # prompt tokens allowed (``longest_prompt``); None: no limit
 
     def summary(self) -> dict:
         """The overlap check's record for evaluation.json."""
         return {"checked_prompts": len(self.prompts) + len(self.excluded), "usable_prompts": len(self.prompts),
                 "excluded": len(self.excluded), "training_samples": self.training_samples,
-                "method": "sample ids, and SHA-256 of the prompt tokens before the first assistant token"}
+                "longest_prompt_tokens": self.longest_prompt,
+                "method": "sample ids, and SHA-256 of the prompt tokens before the first assistant token; prompts "
+                          "whose decode would pass the training's max_length"}
 
 
 def select_heldout_prompts(path: str | os.PathLike, renderer: ChatRenderer, data, num_prompts: int,
-                           min_prompts: int = 1) -> HeldoutSelection:
+                           min_prompts: int = 1, max_new_tokens: int = 0) -> HeldoutSelection:
     """The first ``num_prompts`` prompts of ``path`` that the drafter never saw (see the module docstring).
 
     A prompt that is in the training data (same id, or same prompt tokens as a training sample) or that
     repeats an earlier held-out prompt (ShareGPT repeats prompts: it would be counted twice) is excluded,
-    with its id and reason, and the next one is taken. Fewer than ``min_prompts`` left is a ``HeldoutError``
-    that names how many were excluded and why.
+    with its id and reason, and the next one is taken. So is a prompt whose decode (``max_new_tokens`` more)
+    would reach past the training's ``max_length`` (``longest_prompt``): the drafter never trained at
+    those positions, and the extraction itself skipped such records, so when the prompts file is the
+    training's own dataset these are exactly its records that did not fit, not held-out ones. Fewer than
+    ``min_prompts`` left is a ``HeldoutError`` that names how many were excluded and why.
     """
     generated = _generated_ids(data)
     training_ids = {sample.id for sample in data.samples} - generated
     by_prefix = training_prefixes(data)
     chosen: dict[str, str] = {}  # prefix digest -> held-out id
-    selection = HeldoutSelection([], [], [], len(data.samples))
-    for item in iter_heldout_prompts(path, renderer):
+    longest = longest_prompt(data, max_new_tokens)
+    selection = HeldoutSelection([], [], [], len(data.samples), longest)
+    for item in iter_heldout_prompts(path, renderer, frozenset(training_ids)):
         if len(selection.prompts) >= num_prompts:
             break
+        if isinstance(item, KnownId):
+            selection.excluded.append({"id": item.sample_id, "line": item.line,
+                                       "reason": "same id as a training sample", "other": item.sample_id})
+            continue
         if not isinstance(item, HeldoutPrompt):
             selection.skipped.append(item)
             continue
         reason = None
-        if not item.id_is_generated and item.sample_id in training_ids:
-            reason, other = "same id as a training sample", item.sample_id
-        elif item.prefix_sha256 in by_prefix:
+        if item.prefix_sha256 in by_prefix:
             reason, other = "same prompt tokens as a training sample", by_prefix[item.prefix_sha256]
         elif item.prefix_sha256 in chosen:
             reason, other = "same prompt tokens as an earlier held-out prompt", chosen[item.prefix_sha256]
+        elif longest is not None and len(item.input_ids) > longest:
+            reason = "longer than the training's samples"
+            other = (f"{len(item.input_ids)} prompt tokens + {max_new_tokens} new > max_length "
+                     f"{data.manifest['max_length']}")
         if reason:
             selection.excluded.append({"id": item.sample_id, "line": item.line, "reason": reason, "other": other})
             continue
@@ -194,7 +231,8 @@ def select_heldout_prompts(path: str | os.PathLike, renderer: ChatRenderer, data
         shown = "; ".join(f"{e['id']} ({e['reason']}: {e['other']})" for e in selection.excluded[:SHOWN_OVERLAPS])
         raise HeldoutError(
             f"{path}: only {len(selection.prompts)} usable held-out prompt(s), at least {min_prompts} needed: "
-            f"{len(selection.excluded)} excluded as seen in training ({shown or 'none'}), {len(selection.skipped)} "
+            f"{len(selection.excluded)} excluded as seen in training, repeated or too long ({shown or 'none'}), "
+            f"{len(selection.skipped)} "
             "left out as unusable. Give a prompts file with more conversations the drafter was not trained on "
             "(or lower the minimum)")
     return selection

@@ -131,6 +131,14 @@ class TargetModel:
         self.eos_token_ids = set(runner.eos_token_ids)
         self.slots = decode == "slots"  # the engine's slot cache for the batches that fit it
 
+    def reserve(self, max_new_tokens: int, draft_tokens: int) -> int:
+        """KV-cache positions a request's decode adds to its prompt's, at most: over the slot cache a round's
+        rejected drafts are overwritten by the next (``max_new_tokens`` + a round's drafts and its token); in
+        transformers' cache they stay, masked, so every round may add ``draft_tokens`` + 1."""
+        if self.slots:
+            return max_new_tokens + draft_tokens + 1
+        return max_new_tokens * (draft_tokens + 1)
+
     @classmethod
     def load(cls, model_path: str | Path, aux_layers: list[int], device: str = "auto", dtype: str = "auto",
              decode: str = "slots") -> TargetModel:

@@ -290,8 +290,9 @@ def look_at(inputs: ReportInputs) -> list[LookAt]:
                             "near-tie (rounding, not a fault)", "acceptance"))
     excluded = _dicts(record.get("excluded_prompts"))
     if excluded:
-        items.append(LookAt(f"{_plural(len(excluded), 'held-out prompt')} excluded: seen in training or repeated "
-                            "(the next ones of the file were measured instead)", "acceptance"))
+        items.append(LookAt(f"{_plural(len(excluded), 'held-out prompt')} excluded: seen in training, repeated or "
+                            "longer than the training's samples (the next ones of the file were measured instead)",
+                            "acceptance"))
     if inputs.acceptance.note:
         items.append(LookAt(inputs.acceptance.note, "acceptance"))
     extraction = inputs.extraction

@@ -465,7 +465,8 @@ def chains_html(record: dict) -> list[Html]:
 
 
 def excluded_html(record: dict) -> list[Html]:
-    """Held-out prompts left out because the training data has them (or they repeat one)."""
+    """Held-out prompts left out because the training data has them, they repeat one, or they are longer than the
+    training's samples."""
     excluded = [e for e in record.get("excluded_prompts") or [] if isinstance(e, dict)]
     if not excluded:
         return []
@@ -473,7 +474,7 @@ def excluded_html(record: dict) -> list[Html]:
             for e in excluded[:SHOWN_EXCLUDED]]
     more = [tag("p", f"... and {len(excluded) - SHOWN_EXCLUDED} more: evaluation.json lists every one.",
                 class_="muted")] if len(excluded) > SHOWN_EXCLUDED else []
-    return [tag("h3", f"Prompts excluded ({len(excluded)}): seen in training or repeated"),
+    return [tag("h3", f"Prompts excluded ({len(excluded)}): seen in training, repeated or too long"),
             table(["id", "line", "reason", "matches"], rows, numeric=(1,)), *more]
 
 
