@@ -184,8 +184,8 @@ def measure(drafters: dict[str, Path], data_dir: Path, args, dtype: str, prompts
     renderer = load_renderer(Path(target_path), manifest.get("chat_template_file"))
     started = time.perf_counter()
     selection = select_heldout_prompts(args.sharegpt, renderer, data, prompts, prompts, args.max_new_tokens)
-    say(f"{len(selection.prompts)} held-out prompts ({len(selection.excluded)} excluded as seen in training) in "
-        f"{time.perf_counter() - started:.1f} s")
+    say(f"{len(selection.prompts)} held-out prompts ({len(selection.excluded)} excluded: seen in training, repeated "
+        f"or too long) in {time.perf_counter() - started:.1f} s")
     target = TargetModel.load(target_path, [int(a) for a in manifest["aux_layers"]], device=args.device,
                               dtype=dtype)
     prompt_ids = [list(p.input_ids) for p in selection.prompts]
