@@ -22,6 +22,7 @@ timeout is counted on the controller, across calls, without comparing two hosts'
 
 from __future__ import absolute_import, division, print_function
 
+import abc
 import json
 import os
 import signal
@@ -161,7 +162,7 @@ def wait_for_change(look, wait_s, poll_s, clock=time.monotonic, sleep=time.sleep
     return seen, round(clock() - start, 3)
 
 
-class Stage(object):
+class Stage(abc.ABC):
     """One kind of job followed: the parts every module has in common, and the hooks a stage fills in.
 
     A subclass sets ``job`` (the job's name in messages: "extraction"), ``timeout_variable`` (the
@@ -188,34 +189,35 @@ class Stage(object):
         return None
 
     @property
+    @abc.abstractmethod
     def progress_file(self):
-        raise NotImplementedError
+        """The job's progress file on the host."""
 
+    @abc.abstractmethod
     def assess(self, progress, job):
         """``(state, mine)``: ``state`` is ``starting`` (no progress of this job yet), ``running``,
         ``done``, ``failed`` or ``stopped`` (the job said so) or ``dead`` (it ended without saying
         so); ``mine`` is the progress when it belongs to this job, else None."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def progress_line(self, progress):
         """The progress in one line (``progress`` None: no report of this job yet)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def subject(self, job_name):
         """The job in a sentence: ``the extraction job NAME of part 0/2`` (``job_name`` None: no record)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def failed_subject(self):
         """What failed, in a sentence: ``extraction part 0/2``, ``the training``."""
-        raise NotImplementedError
 
     def failed_at(self, progress):
         """Where it failed, after the verb: ``""``, `` at step 40/200``."""
         return ""
 
+    @abc.abstractmethod
     def wait_subject(self):
         """What was waited for: ``part 0/2``, ``the training``."""
-        raise NotImplementedError
 
     def fields(self, mine, state):
         """The stage's own return values (counts, figures) for this look."""

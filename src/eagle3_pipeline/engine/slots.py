@@ -251,7 +251,8 @@ class SlotDecoder:
         groups.append(group)
         logits, aux = [], []
         for group in groups:
-            last, captured = self._prefill_group([slots[i] for i in group], [prompts[i] for i in group], aux_layers)
+            last, captured = self._rows([slots[i] for i in group], [prompts[i] for i in group], [0] * len(group),
+                                        aux_layers)
             logits.append(last)
             if aux_layers:
                 aux.append(torch.cat([captured[layer] for layer in aux_layers], dim=-1))
@@ -279,14 +280,18 @@ class SlotDecoder:
             else None
         return logits.view(rows, count, -1), aux
 
-    def _prefill_group(self, slots, prompts, aux_layers=()):
-        lengths = [len(p) for p in prompts]
-        cu_q, key_start, used = self._layout(slots, lengths, [0] * len(prompts))
-        positions = [p for length in lengths for p in range(length)]
-        write = [slot * self.slot_tokens + p for slot, length in zip(slots, lengths) for p in range(length)]
+    def _rows(self, slots: list[int], rows: list[list[int]], starts: list[int], aux_layers=()):
+        """Row ``b``'s tokens ``rows[b]`` written at positions ``starts[b]..`` of slot ``slots[b]``, packed
+        into one forward: (the logits [B, V] float32 of each row's last token, {aux layer: its output for
+        every token})."""
+        lengths = [len(row) for row in rows]
+        cu_q, key_start, used = self._layout(slots, lengths, starts)
+        positions = [start + p for start, length in zip(starts, lengths) for p in range(length)]
+        write = [slot * self.slot_tokens + start + p
+                 for slot, start, length in zip(slots, starts, lengths) for p in range(length)]
         device = self.device
         return self.forward(
-            torch.tensor([t for prompt in prompts for t in prompt], device=device),
+            torch.tensor([t for row in rows for t in row], device=device),
             torch.tensor(positions, device=device), torch.tensor(write, device=device),
             torch.tensor(cu_q, dtype=torch.int32, device=device), max(lengths),
             torch.tensor(key_start, dtype=torch.int32, device=device),
@@ -297,18 +302,9 @@ class SlotDecoder:
     def decode(self, slots: list[int], tokens: list[int], positions: list[int]):
         """One token per row at its position in its slot: the logits [n, V] float32 of each row."""
         self._check_room(slots, [p + 1 for p in positions])
-        n = len(slots)
         if self.graphs_on:
             return self._replay(slots, tokens, positions)
-        cu_q, key_start, used = self._layout(slots, [1] * n, positions)
-        device = self.device
-        write = [slot * self.slot_tokens + p for slot, p in zip(slots, positions)]
-        logits, _ = self.forward(
-            torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
-            torch.tensor(write, device=device), torch.tensor(cu_q, dtype=torch.int32, device=device), 1,
-            torch.tensor(key_start, dtype=torch.int32, device=device),
-            torch.tensor(used, dtype=torch.int32, device=device), host=(cu_q, key_start, used))
-        return logits
+        return self._rows(slots, [[token] for token in tokens], positions)[0]
 
     # -- CUDA graphs ----------------------------------------------------------------------------------
     def _static_inputs(self) -> dict[str, torch.Tensor]:

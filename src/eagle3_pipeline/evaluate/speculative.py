@@ -540,7 +540,7 @@ def speculative_generate(target: TargetModel, proposer, prompts: list[list[int]]
     stops = set() if ignore_eos else target.eos_token_ids
     batch = len(prompts)
     lengths = [len(prompt) for prompt in prompts]
-    state, aux, tops = target.prefill(prompts, room=max_new_tokens + draft_tokens + 1)
+    state, aux, tops = target.prefill(prompts, room=target.reserve(max_new_tokens, draft_tokens))
     try:
         results = [SpeculativeOutput([top.first_id], [], [top]) for top in tops]
         active = [not (r.output_ids[0] in stops or max_new_tokens <= 1) for r in results]
