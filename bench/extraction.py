@@ -15,6 +15,8 @@ Rounds alternate, side by side in one run, over the same samples:
 - ``extract``: ``python -m eagle3_pipeline.cli extract`` into a fresh output directory on the
   machine's disk (never tmpfs), every check on (top-1 at all positions), then the output is
   measured (bytes per token) and deleted.
+- ``extract-float8`` (``--float8``): the same command with ``--storage-dtype float8_e4m3`` (the states
+  quantized per token and layer after the checks): its tokens/s against ``extract``'s, round by round.
 
 Timing, the same for every mode: from the moment the round's first capture file appears in the
 capture directory (a watcher polls it every millisecond) to the last answer (forward, logprobs)
@@ -371,14 +373,17 @@ def fs_type(path: Path) -> str:
 
 
 def extract_round(url: str, dataset: Path, out: Path, capture_dir: Path, settings: dict,
-                  requests: list[tuple[str, list[int]]], log: Path) -> dict:
+                  requests: list[tuple[str, list[int]]], log: Path, storage_dtype: str = "bfloat16") -> dict:
     """One ``eagle3-pipeline extract`` into a fresh ``out``; timed, checked, measured, then deleted."""
     from safetensors import safe_open  # noqa: PLC0415
+
+    from eagle3_pipeline.extract.storage import Layout  # noqa: PLC0415
 
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "eagle3_pipeline.cli", "extract", "--dataset", str(dataset), "--output-dir", str(out),
            "--server-url", url, "--num-samples", str(settings["samples"]), "--max-length", str(settings["max_length"]),
-           "--concurrency", str(settings["concurrency"]), *settings.get("extract_args", [])]
+           "--concurrency", str(settings["concurrency"]), "--storage-dtype", storage_dtype,
+           *settings.get("extract_args", [])]
     watcher = CaptureWatcher(capture_dir, f"{RID_PREFIX}-", delete=False)
     watcher.start()
     started = time.time()
@@ -423,15 +428,16 @@ def extract_round(url: str, dataset: Path, out: Path, capture_dir: Path, setting
     first = watcher.first or started
     seconds = max(last_written - first, 1e-9)
     n_aux, hidden = len(manifest["aux_layers"]), manifest["hidden_size"]
-    dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[manifest["dtype"]]
-    exact = (n_aux + 1) * hidden * dtype_bytes + 5
+    layout = Layout.of(manifest)
+    exact = layout.bytes_per_token()
     shutil.rmtree(out, ignore_errors=True)
     return {
         "samples": manifest["num_samples"], "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
         "command_wall_s": exited - started, "progress_tokens_per_s": progress["tokens_per_s"],
         "sync_after_s": sync_s, "disk_bound_tokens_per_s": tokens / (seconds + sync_s),
         "positions_checked": checked, "near_ties": near_ties,
-        "bytes": {"exact_per_token": exact, "n_aux": n_aux, "hidden": hidden, "dtype": manifest["dtype"],
+        "bytes": {"exact_per_token": exact, "formula": layout.formula(), "n_aux": n_aux, "hidden": hidden,
+                  "dtype": layout.storage,
                   "data_per_token": data_bytes / tokens, "sample_files_per_token": file_bytes / tokens,
                   "allocated_per_token": allocated / tokens, "all_output_files_per_token": all_files / tokens,
                   "sample_files": file_bytes, "headers_per_file": (file_bytes - data_bytes) / len(entries)},
@@ -463,6 +469,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--work-dir", type=Path, help="the extraction's output goes here (default: a new dir in "
                                                       "/var/tmp); must not be tmpfs")
     parser.add_argument("--no-diagnostic", action="store_true", help="skip the logprobs-only rounds")
+    parser.add_argument("--float8", action="store_true",
+                        help="also an extract round storing float8_e4m3 (--storage-dtype) after each bf16 one: "
+                        "the same requests, its tokens/s beside bf16's")
     parser.add_argument("--extract-arg", action="append", default=[], metavar="ARG",
                         help="one more argument for extract (repeat), e.g. --extract-arg=--verify-device=cpu")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (dataset, logs)")
@@ -542,13 +551,15 @@ def main(argv: list[str] | None = None) -> int:
         warm = requests[: 2 * args.max_batch_size]
         send_round(url, warm, args.concurrency, "warm-fwd", capture_dir, logprobs=False)
         send_round(url, warm, args.concurrency, "warm-lp", capture_dir, logprobs=True)
-        modes = ["forward"] + ([] if args.no_diagnostic else ["logprobs"]) + ["extract"]
+        modes = (["forward"] + ([] if args.no_diagnostic else ["logprobs"]) + ["extract"]
+                 + (["extract-float8"] if args.float8 else []))
         rows = []
         for number in range(1, args.rounds + 1):
             for mode in modes:
-                if mode == "extract":
+                if mode.startswith("extract"):
                     row = extract_round(url, dataset, work / "out", capture_dir, settings, requests,
-                                        work / f"extract-{number}.log")
+                                        work / f"{mode}-{number}.log",
+                                        "float8_e4m3" if mode == "extract-float8" else "bfloat16")
                 else:
                     row = send_round(url, requests, args.concurrency, f"{mode[:3]}{number}", capture_dir,
                                      logprobs=mode == "logprobs")
@@ -603,7 +614,11 @@ def summarize(info: dict, settings: dict, rows: list[dict]) -> dict:
         "ratio": medians["extract"] / medians["forward"], "target": TARGET_RATIO,
         "ratio_per_round": [round(r["extract"] / r["forward"], 3) for r in by_round.values()],
         "logprobs_ratio": medians["logprobs"] / medians["forward"] if "logprobs" in medians else None,
+        "float8_ratio": medians["extract-float8"] / medians["extract"] if "extract-float8" in medians else None,
+        "float8_ratio_per_round": [round(r["extract-float8"] / r["extract"], 3) for r in by_round.values()
+                                   if "extract-float8" in r],
         "bytes": extract_rows[0]["bytes"],
+        "float8_bytes": next((r["bytes"] for r in rows if r["mode"] == "extract-float8"), None),
         "near_ties": sum(r["near_ties"] for r in extract_rows),
         "positions_checked": sum(r["positions_checked"] for r in extract_rows),
         "timing": "from the round's first capture file appearing to the last answer (forward, logprobs) or the "
@@ -624,7 +639,7 @@ def print_report(result: dict) -> None:
     print("\n| round | mode | tokens | seconds | tokens/s | notes |")
     print("|---|---|---|---|---|---|")
     for r in result["rounds"]:
-        if r["mode"] == "extract":
+        if r["mode"].startswith("extract"):
             note = (f"command {r['command_wall_s']:.1f} s; progress file {r['progress_tokens_per_s']:,.0f} tokens/s; "
                     f"os.sync() after {r['sync_after_s']:.1f} s "
                     f"({r['disk_bound_tokens_per_s']:,.0f} tokens/s with it); "
@@ -642,13 +657,14 @@ def print_report(result: dict) -> None:
     if result["logprobs_ratio"] is not None:
         print(f"Diagnostic: forward with input top-1 logprobs at every position (what --verify-positions 0 asks "
               f"of every sample) / forward: {result['logprobs_ratio']:.3f}")
-    b = result["bytes"]
-    print(f"Bytes per stored token: exact ({b['n_aux']} + 1) x {b['hidden']} x "
-          f"{2 if b['dtype'] != 'float32' else 4} + 5 = {b['exact_per_token']}; tensor data "
-          f"{b['data_per_token']:.2f}; sample files {b['sample_files_per_token']:.2f} "
-          f"({b['headers_per_file']:.0f} header bytes per file); all output files "
-          f"{b['all_output_files_per_token']:.2f}; "
-          f"allocated on disk {b['allocated_per_token']:.2f}")
+    if result["float8_ratio"] is not None:
+        print(f"Ratio extract float8 / extract bfloat16 (medians; target >= 1, no slower): "
+              f"{result['float8_ratio']:.3f}; per round: {', '.join(map(str, result['float8_ratio_per_round']))}")
+    for b in filter(None, (result["bytes"], result["float8_bytes"])):
+        print(f"Bytes per stored token, {b['dtype']}: exact {b['formula']} = {b['exact_per_token']}; tensor data "
+              f"{b['data_per_token']:.2f}; sample files {b['sample_files_per_token']:.2f} "
+              f"({b['headers_per_file']:.0f} header bytes per file); all output files "
+              f"{b['all_output_files_per_token']:.2f}; allocated on disk {b['allocated_per_token']:.2f}")
     print(f"Timing: {result['timing']}\n")
 
 
