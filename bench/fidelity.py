@@ -172,7 +172,7 @@ def train_specforge(work: Path, data_dir: Path, reference: dict, seed: int, args
 
 def measure(drafters: dict[str, Path], data_dir: Path, args, dtype: str, prompts: int, chains=CHAINS) -> dict:
     """Every drafter by the same speculative decoding on the same held-out prompts (see the module docstring)."""
-    from eagle3_pipeline.evaluate.command import check_outputs, judge_runs, measure_chains  # noqa: PLC0415
+    from eagle3_pipeline.evaluate.command import check_outputs, judge_runs, measure_chains, replay  # noqa: PLC0415
     from eagle3_pipeline.evaluate.heldout import select_heldout_prompts  # noqa: PLC0415
     from eagle3_pipeline.evaluate.speculative import EagleProposer, TargetModel, load_drafter  # noqa: PLC0415
     from eagle3_pipeline.extract.template import load_renderer  # noqa: PLC0415
@@ -203,17 +203,21 @@ def measure(drafters: dict[str, Path], data_dir: Path, args, dtype: str, prompts
                                        args.max_new_tokens, args.eval_batch_tokens, say=lambda _m: None)
         check = check_outputs(target, prompt_ids, names, outputs, args.max_new_tokens, args.eval_batch_tokens,
                               reference=reference, say=lambda _m: None)
+        replayed = replay(target, drafter, prompt_ids, reference, list(chains), args.max_new_tokens,
+                          say=lambda _m: None)
         training = json.loads((training_dir / "training.json").read_text())
-        figures, verdict = judge_runs(runs, training, check, 0.5)
+        figures, verdict = judge_runs(runs, training, check, 0.5, replayed)
         results["drafters"][name] = {
             "training_dir": str(training_dir), "verdict_passed": verdict["passed"], "problems": verdict["problems"],
-            "near_ties": check["near_ties"], "faults": check["faults"],
+            "diagnosis": verdict["diagnosis"], "near_ties": check["near_ties"], "faults": check["faults"],
             "mismatches": check["mismatches"][:20],
-            "runs": [{key: run[key] for key in ("draft_tokens", "tau", "predicted_tau", "accepted_per_position",
+            "runs": [{key: run[key] for key in ("draft_tokens", "tau", "predicted_tau", "replayed",
+                                                 "accepted_per_position",
                                                  "conditional_acceptance_per_position", "target_forwards",
                                                  "tokens_generated", "decode_s", "tokens_per_s")} for run in figures],
         }
-        line = ", ".join(f"tau {run['tau']:.3f} at {run['draft_tokens']} (predicted "
+        line = ", ".join(f"tau {run['tau']:.3f} at {run['draft_tokens']} (replayed {run['replayed']['tau']:.3f}, "
+                         f"predicted "
                          f"{run['predicted_tau'] if run['predicted_tau'] is None else round(run['predicted_tau'], 3)}"
                          f", {run['tokens_per_s']:,.0f} tokens/s)" for run in figures)
         say(f"{dtype} {name}: {line}; outputs: {check['near_ties']} near-ties, {check['faults']} faults; verdict "
@@ -225,8 +229,8 @@ def measure(drafters: dict[str, Path], data_dir: Path, args, dtype: str, prompts
 
 def summary(results: dict) -> list[str]:
     """The table and the ratios."""
-    lines = [f"{'drafter':<28} {'tau@3':>7} {'tau@7':>7} {'pred@3':>7} {'pred@7':>7}  acceptance per position "
-             "(chain of 7, conditional)"]
+    lines = [f"{'drafter':<28} {'tau@3':>7} {'tau@7':>7} {'rep@3':>7} {'rep@7':>7} {'pred@3':>7} {'pred@7':>7}  "
+             "acceptance per position (chain of 7, conditional); rep: replayed from full forwards"]
     taus: dict[str, dict[int, float]] = {}
     for name, entry in results["drafters"].items():
         by_chain = {run["draft_tokens"]: run for run in entry["runs"]}
@@ -237,8 +241,10 @@ def summary(results: dict) -> list[str]:
 
         cond = "/".join(f"{v:.2f}" for v in by_chain[7]["conditional_acceptance_per_position"]) if 7 in by_chain \
             else "-"
-        lines.append(f"{name:<28} {fmt(taus[name].get(3))} {fmt(taus[name].get(7))} "
-                     f"{fmt(by_chain.get(3, {}).get('predicted_tau'))} {fmt(by_chain.get(7, {}).get('predicted_tau'))}"
+        replayed = {chain: (run.get("replayed") or {}).get("tau") for chain, run in by_chain.items()}
+        lines.append(f"{name:<28} {fmt(taus[name].get(3))} {fmt(taus[name].get(7))} {fmt(replayed.get(3))} "
+                     f"{fmt(replayed.get(7))} {fmt(by_chain.get(3, {}).get('predicted_tau'))} "
+                     f"{fmt(by_chain.get(7, {}).get('predicted_tau'))}"
                      f"  {cond}")
 
     def mean(prefix: str, chain: int) -> float | None:

@@ -82,11 +82,20 @@ def test_check_mode_measures_nothing_then_a_run_measures_and_a_rerun_changes_not
         # The drafter trained 3 TTT steps: the training predicts chains of up to 3 drafts.
         assert (run["predicted_tau"] is not None) == (run["draft_tokens"] <= 3)
         assert len(run["predicted_conditional_acceptance"]) == min(3, run["draft_tokens"])
+        # The replay from full forwards: the same prompts' tokens, and (float32, end tokens aside) the same rounds,
+        # unless a float32 near-tie parted an output from the reference decode the replay reads.
+        if not [m for m in result["output_mismatches"] if m["draft_tokens"] == run["draft_tokens"]]:
+            assert run["replayed"]["tokens_generated"] == run["tokens_generated"]
+            assert abs(run["replayed"]["target_forwards"] - run["target_forwards"]) <= run["requests"]
+    assert [check["draft_tokens"] for check in result["verdict"]["replay"]] == [3, 7]
+    assert all(check["ok"] for check in result["verdict"]["replay"])
+    assert result["replayed_tau"] == result["runs"][0]["replayed"]["tau"]
     assert result["verdict"]["passed"] and result["excluded_prompts"] == []
     assert result["drafter_sha256"] == json.loads((drafter_run / "drafter" / "config.json").read_text())[
         "eagle3_pipeline"]["weights_sha256"]
     lines = _shown(first)
     assert lines[0].startswith(f"chain of 3: acceptance length (measured) tau {result['runs'][0]['tau']:.2f}, "
+                               f"replayed from full forwards {result['runs'][0]['replayed']['tau']:.2f}, "
                                f"training predicts {result['runs'][0]['predicted_tau']:.2f}"), lines
     assert lines[1].startswith("chain of 7: "), lines
     # Equal throughout, or parted only at float32 near-ties (two paths may order a near-tie differently).

@@ -17,6 +17,7 @@ from eagle3_pipeline.evaluate.speculative import (
     drafter_aux_layers,
     judge_mismatches,
     load_drafter,
+    replay_chains,
     speculative_generate,
 )
 from eagle3_pipeline.models.tiny import build_tiny_model
@@ -272,6 +273,53 @@ def test_a_perfect_eagle3_drafter_gets_tau_k_plus_one(tmp_path):
         stats.add(result)
     assert _reference(target, _prompts(3), 21, ignore_eos=True) == [[0] * 21] * 3
     assert stats.tau == 5.0 and stats.conditional_acceptance == [1.0] * 4
+
+
+def _one_token_drafter(token: int, seed: int = 2) -> Eagle3Drafter:
+    """A drafter that proposes ``token`` where one coordinate of its output state is positive, else token 0: its
+    drafts depend on the states it reads, and on a target that repeats ``token`` it is often right."""
+    drafter = _drafter(draft_vocab=VOCAB, seed=seed)  # the whole vocabulary: draft id = target id
+    with torch.no_grad():
+        drafter.norm.weight.zero_()
+        drafter.norm.weight[0] = 1.0
+        drafter.lm_head.weight.zero_()
+        drafter.lm_head.weight[token, 0] = 1.0
+    return drafter
+
+
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_the_replay_from_full_forwards_counts_the_rounds_the_cached_decode_counts(random_target, ignore_eos):
+    """The same drafter and prompts: the rounds of the cached speculative decode and of its replay from one full
+    forward per prompt (the drafter teacher-forced on the reference decode) are the same rounds, in float32."""
+    prompts, budget, chains = _prompts(6, seed=3), 40, [1, 3, 5]
+    saved = random_target.eos_token_ids
+    plain = _reference(random_target, prompts, budget, ignore_eos=True)
+    frequent = max(set(plain[0]), key=lambda token: sum(ids.count(token) for ids in plain))
+    if not ignore_eos:  # an end token the random target does choose: requests end early, at different lengths
+        random_target.eos_token_ids = {plain[1][11]}
+    try:
+        reference = random_target.greedy_reference(prompts, budget, ignore_eos=ignore_eos)
+        for drafter in (_drafter(draft_vocab=VOCAB, seed=2), _one_token_drafter(frequent)):
+            replayed = replay_chains(random_target, drafter, prompts, reference, chains, budget, ignore_eos)
+            for chain in chains:
+                measured, exact = AcceptanceStats(chain), True
+                for prompt, result, want in zip(prompts, speculative_generate(
+                        random_target, EagleProposer(drafter), prompts, budget, chain, ignore_eos), reference):
+                    measured.add(result)
+                    exact = _is_greedy(random_target, prompt, result, want) and exact
+                if not exact:  # a float32 near-tie taken the other way parts the decodes there
+                    continue
+                if ignore_eos:
+                    assert replayed[chain].as_dict() == measured.as_dict()
+                    assert (replayed[chain].accepted, replayed[chain].reached) == (measured.accepted, measured.reached)
+                else:  # a round cut by the end token may count drafts after it in the cached decode (replay_chains)
+                    assert replayed[chain].completion_tokens == measured.completion_tokens
+                    assert abs(replayed[chain].rounds - measured.rounds) <= len(prompts)
+        # The one-token drafter is right in some rounds and wrong in others: the counts can tell a wrong replay.
+        accepted = replayed[chains[-1]].accepted
+        assert 0 < accepted[0] < replayed[chains[-1]].reached[0]
+    finally:
+        random_target.eos_token_ids = saved
 
 
 def test_a_random_drafter_accepts_little(random_target):

@@ -67,3 +67,39 @@ def test_predictions_come_from_the_held_out_split_first():
     assert predicted_rates({}) == (None, None)
     assert predicted_tau([0.5, 0.4], 2) == pytest.approx(1 + 0.5 + 0.5 * 0.4)
     assert predicted_tau([0.5, 0.4], 3) is None
+
+
+def _replayed_run(draft_tokens, accepted, reached, replay_accepted, rounds=1000, predicted_tau=None):
+    """A run with the figures judge_replay and diagnose read: the measured and the replayed accepted drafts."""
+    return {**_run(draft_tokens, accepted, reached), "target_forwards": rounds, "mean_accepted": sum(accepted) / rounds,
+            "tau": 1 + sum(accepted) / rounds, "predicted_tau": predicted_tau,
+            "replayed": {"mean_accepted": sum(replay_accepted) / rounds}}
+
+
+def test_serving_below_the_replay_fails_as_a_serving_fault_even_within_the_training_ratio():
+    """0.20 accepted per verify against 0.57 replayed: within half of a training prediction of 0.38 at position 1,
+    but the same drafter on the same prompts does far better from full forwards: the serving path is at fault."""
+    run = _replayed_run(3, [200, 0, 0], [1000, 200, 0], [370, 140, 60], predicted_tau=1.91)
+    verdict = judge([run], PREDICTED, "the training's held-out split", 0)
+    assert not verdict["passed"]
+    assert "replayed from full forwards of the same prompts accepts 0.570" in verdict["problems"][0]
+    assert verdict["replay"] == [{"draft_tokens": 3, "measured": 0.2, "replayed": 0.57, "judged": True, "ok": False}]
+    assert "KV cache" in verdict["likely_causes"][0] and "disagree" in verdict["diagnosis"]
+
+
+def test_serving_as_replayed_but_below_training_says_the_prompts_differ_and_drops_the_serving_causes():
+    # What the H200 run measured: 0.37 at position 1 against 0.50 predicted; suppose the replay agrees.
+    run = _replayed_run(3, [366, 135, 64], [1000, 366, 135], [370, 137, 62], predicted_tau=1.91)
+    verdict = judge([run], [0.50, 0.52, 0.59], "the training's held-out split", 0)
+    assert verdict["passed"] and verdict["replay"][0]["ok"]
+    assert "these prompts are harder for it than its training data" in verdict["diagnosis"]
+    failing = judge([run], [0.9, 0.9, 0.9], "the training's held-out split", 0)
+    assert not failing["passed"]
+    assert failing["likely_causes"] and not any("KV cache" in cause for cause in failing["likely_causes"])
+
+
+def test_a_replay_that_accepts_almost_nothing_or_too_few_rounds_is_not_judged():
+    assert judge([_replayed_run(3, [0, 0, 0], [1000, 0, 0], [30, 0, 0])], None, None, 0)["replay"][0]["judged"] \
+        is False
+    few = _replayed_run(3, [0, 0, 0], [MIN_ROUNDS - 1, 0, 0], [20, 5, 1], rounds=MIN_ROUNDS - 1)
+    assert judge([few], None, None, 0)["passed"]

@@ -427,8 +427,10 @@ def test_the_verdict_lists_each_check_and_what_to_look_at(tmp_path):
                   "Held-out prompts never seen in training (overlap check) passed 8 prompts measured"):
         assert check in verdict, check
     # Measured against simulated at each chain length: the chain of 7 is longer than the training simulates.
-    assert "3 1.90 2.02 94% 2 judged, all within" in verdict
-    assert "7 2.10 - (the training simulates 3 draft positions) - none (too few rounds)" in verdict
+    # The replay (full forwards, no cache) beside them where the evaluation made one, and its diagnosis.
+    assert "3 1.90 1.92 2.02 94% 2 judged, all within" in verdict
+    assert "7 2.10 - - (the training simulates 3 draft positions) - none (too few rounds)" in verdict
+    assert "Chain of 3: tau measured 1.900, replayed from full forwards 1.920" in verdict
     after = verdict[verdict.index("What to look at"):]
     for item in ("1 held-out prompt excluded: seen in training, repeated or longer", "1 dataset record skipped: "
                  "no_assistant_turn (1)", "1 sample failed the check, not stored: top1_mismatch bad (1)",

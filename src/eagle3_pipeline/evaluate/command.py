@@ -52,6 +52,9 @@ RESULT_FORMAT = "eagle3-pipeline/evaluation"
 # so that a result measured on prompts the rule now refuses is measured again. 2: prompts whose decode passes
 # the training's max_length are excluded.
 HELDOUT_RULE = 2
+# What the verdict weighs; raised when that changes, so that a result judged without it is measured again.
+# 2: the replay from full forwards (``speculative.replay_chains``) beside every measured chain.
+VERDICT_RULE = 2
 ENGINES = ("reference", "sglang")
 # SGLang's default chain for EAGLE3 drafters (3 steps, topk 1, 4 verified tokens, see
 # serve/sglang_command.py DEFAULT_SPECULATIVE_STEPS) and the longer chain peers publish (SpecForge's
@@ -185,7 +188,7 @@ def fingerprint(args: argparse.Namespace, inputs: dict) -> str:
         "device": args.device if args.engine == "reference" else None,
         "dtype": args.dtype if args.engine == "reference" else None,
         "check_outputs": args.check_outputs if args.engine == "reference" else None,
-        "heldout_rule": HELDOUT_RULE,
+        "heldout_rule": HELDOUT_RULE, "verdict_rule": VERDICT_RULE,
     }  # fmt: skip
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
@@ -290,8 +293,10 @@ def check_outputs(target, prompt_ids: list[list[int]], names: list[str], outputs
     return check
 
 
-def judge_runs(measured_runs: list[dict], training: dict, check: dict, min_ratio: float) -> tuple[list[dict], dict]:
-    """Each chain's figures for evaluation.json beside the training's prediction, and the verdict over all."""
+def judge_runs(measured_runs: list[dict], training: dict, check: dict, min_ratio: float,
+               replay: dict | None = None) -> tuple[list[dict], dict]:
+    """Each chain's figures for evaluation.json beside the training's prediction and the replay's (``replay``:
+    chain length -> ``AcceptanceStats`` of ``replay_chains``), and the verdict over all."""
     from eagle3_pipeline.evaluate.verdict import judge, predicted_rates, predicted_tau  # noqa: PLC0415
 
     rates, source = predicted_rates(training)
@@ -299,11 +304,27 @@ def judge_runs(measured_runs: list[dict], training: dict, check: dict, min_ratio
     for run in measured_runs:
         stats = run["stats"]
         chain = stats.draft_tokens
+        replayed = (replay or {}).get(chain)
         runs.append({"draft_tokens": chain, **stats.as_dict(), "accepted": list(stats.accepted),
                      "reached": list(stats.reached), "predicted_tau": predicted_tau(rates, chain),
                      "predicted_conditional_acceptance": rates[:chain] if rates else None,
+                     "replayed": None if replayed is None else {**replayed.as_dict(),
+                                                                "accepted": list(replayed.accepted),
+                                                                "reached": list(replayed.reached)},
                      "decode_s": run["decode_s"], "batches": run["batches"], "tokens_per_s": run["tokens_per_s"]})
     return runs, judge(runs, rates, source, check["faults"], min_ratio)
+
+
+def replay(target, drafter, prompt_ids: list[list[int]], reference, chains: list[int], max_new_tokens: int,
+           ignore_eos: bool = False, say=_say) -> dict:
+    """``replay_chains`` of the prompts' full-forward greedy decode, timed and said."""
+    from eagle3_pipeline.evaluate.speculative import replay_chains  # noqa: PLC0415
+
+    began = time.perf_counter()
+    replayed = replay_chains(target, drafter, prompt_ids, reference, chains, max_new_tokens, ignore_eos)
+    say(f"replayed from full forwards in {time.perf_counter() - began:.1f} s: " + ", ".join(
+        f"tau {stats.tau:.3f} at {chain}" for chain, stats in replayed.items()))
+    return replayed
 
 
 def run_reference(args, prompts, aux_layers: list[int], target_path: str) -> dict:
@@ -320,11 +341,17 @@ def run_reference(args, prompts, aux_layers: list[int], target_path: str) -> dic
     runs, outputs = measure_chains(target, EagleProposer(drafter), prompt_ids, args.draft_tokens,
                                    args.max_new_tokens, args.batch_tokens, args.ignore_eos)
     check = {"checked": False, "method": None, "mismatches": [], "near_ties": 0, "faults": 0}
+    replayed = None
     if args.check_outputs:
+        began = time.perf_counter()
+        reference = target.greedy_reference(prompt_ids, args.max_new_tokens, args.ignore_eos, args.batch_tokens)
         check = check_outputs(target, prompt_ids, [p.sample_id for p in prompts], outputs, args.max_new_tokens,
-                              args.batch_tokens, args.ignore_eos)
-    return {"runs": runs, "check": check, "device": str(target.device), "dtype": target.dtype_name,
-            "decode": target.runner.decode_path}
+                              args.batch_tokens, args.ignore_eos, reference=reference)
+        check["decode_s"] = time.perf_counter() - began
+        replayed = replay(target, drafter, prompt_ids, reference, args.draft_tokens, args.max_new_tokens,
+                          args.ignore_eos)
+    return {"runs": runs, "check": check, "replay": replayed, "device": str(target.device),
+            "dtype": target.dtype_name, "decode": target.runner.decode_path}
 
 
 def run_sglang(args, prompts) -> dict:
@@ -373,10 +400,14 @@ def _summary_line(document: dict) -> str:
     parts = []
     for run in document.get("runs") or [document]:
         predicted = run.get("predicted_tau")
+        replayed = (run.get("replayed") or {}).get("tau")
         positions = "/".join(f"{value:.2f}" for value in run["conditional_acceptance_per_position"])
-        parts.append(f"chain of {run['draft_tokens']}: tau {run['tau']:.2f} (training predicts "
+        parts.append(f"chain of {run['draft_tokens']}: tau {run['tau']:.2f} (replayed from full forwards "
+                     f"{'%.2f' % replayed if replayed is not None else 'n/a'}, training predicts "
                      f"{'%.2f' % predicted if predicted is not None else 'n/a'}), acceptance per position {positions}")
-    return "acceptance length (measured): " + "; ".join(parts)
+    line = "acceptance length (measured): " + "; ".join(parts)
+    diagnosis = (document.get("verdict") or {}).get("diagnosis")
+    return f"{line}\n{diagnosis}" if diagnosis else line
 
 
 def _verdict_lines(document: dict) -> list[str]:
@@ -445,7 +476,8 @@ def _run(args: argparse.Namespace) -> int:
         _say(f"error: the SGLang server: {exc}")
         return EXIT_CRASH
     check = measured["check"]
-    runs, verdict = judge_runs(measured["runs"], inputs["training"], check, args.min_acceptance_ratio)
+    runs, verdict = judge_runs(measured["runs"], inputs["training"], check, args.min_acceptance_ratio,
+                               measured.get("replay"))
     source = verdict["predicted_from"]
     primary = runs[0]
     simulated = (inputs["training"].get("eval") or inputs["training"].get("last") or {}).get("acceptance_length")
@@ -460,9 +492,11 @@ def _run(args: argparse.Namespace) -> int:
         "output_mismatches": check["mismatches"],
         "simulated_acceptance_length": simulated, "simulated_from": source,
         "simulated_tau": primary["predicted_tau"],
+        "replayed_tau": (primary.get("replayed") or {}).get("tau"), "diagnosis": verdict["diagnosis"],
         "note": ("tau = tokens produced by verify forwards / verify forwards = 1 + mean drafts accepted per round "
                  "(the prefill and its first token counted in neither); predicted_tau = 1 + sum_k prod_{i<=k} "
-                 "cond_acc_i over the chain's positions, from the training's held-out split. "
+                 "cond_acc_i over the chain's positions, from the training's held-out split; replayed_tau: the same "
+                 "drafter and prompts replayed from full forwards of the target's greedy decode (no cache). "
                  "sglang_accept_length is SGLang's completion_tokens / spec_verify_ct (the prefill's token counted)."),
         "wall_s": time.time() - started, "device": measured["device"], "dtype": measured["dtype"],
         "decode": measured.get("decode"),

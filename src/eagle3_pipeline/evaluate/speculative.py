@@ -33,6 +33,15 @@ is ignored, misaligned or stale shows up as outputs that differ. Where outputs d
 top-2 logits at the first difference tell a numerical near-tie (each path's choice is the other's
 runner-up, both gaps within the dtype's rounding) from a real fault.
 
+The replay. ``replay_chains`` plays the same greedy chain decoding once more without any cache: one
+full forward of the target over prompt + reference output gives every aux state, the drafter's
+training forward (``forward_ttt``, teacher-forced on those tokens) gives its top-1 at every row and
+step, and the rounds are counted from them exactly as ``speculative_generate`` counts its own (a
+draft is right while the chain is: its inputs are then the reference's tokens). With exact
+arithmetic both give the same rounds; the measured figures falling short of the replay's means the
+serving path loses what the drafter can do (a cache, a position or a row misread), while both falling
+short of the training's prediction means these prompts are unlike the training data.
+
 Accounting. tau (acceptance length) = tokens produced by verify forwards / verify forwards =
 1 + mean drafts accepted per round when no round is cut by an end token (a round that produces an
 end token stops there: it may produce fewer than its accepted drafts + 1); the prefill and its first
@@ -253,6 +262,13 @@ class TargetModel:
         out, _ = self.runner._run_decoder(  # noqa: SLF001 - the engine's forward
             input_ids=torch.tensor([sequence], device=self.device))
         return self.runner.lm_head(out.last_hidden_state[0, -1]).float()
+
+    @torch.inference_mode()
+    def full_states(self, sequence: list[int]) -> torch.Tensor:
+        """The aux states [T, n_aux*H] of ``sequence`` by one full forward, no cache (the replay's input)."""
+        ids = torch.tensor([sequence], device=self.device)
+        aux, _ = self._forward(ids, torch.arange(len(sequence), device=self.device)[None], torch.ones_like(ids))
+        return aux[0]
 
     @torch.inference_mode()
     def greedy_reference(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = False,
@@ -670,3 +686,58 @@ class AcceptanceStats:
             "target_forwards": self.rounds, "tokens_from_verify": self.produced,
             "tokens_generated": self.completion_tokens, "requests": self.requests,
         }  # fmt: skip
+
+
+@torch.inference_mode()
+def replay_chains(target: TargetModel, drafter: Eagle3Drafter, prompts: list[list[int]],
+                  reference: list[tuple[list[int], list[Top2]]], chains: list[int], max_new_tokens: int,
+                  ignore_eos: bool = False) -> dict[int, AcceptanceStats]:
+    """The rounds greedy chain speculative decoding of ``prompts`` yields when every state comes from full
+    forwards (the module docstring's replay), counted per chain length as ``speculative_generate``'s are.
+
+    ``reference``: the target's greedy decode of each prompt by full forwards (``greedy_reference``), with the
+    same ``max_new_tokens`` and ``ignore_eos``. A round that reaches the end token counts the drafts up to it
+    (the cached decode may also count drafts after it that the target happened to choose: a few rounds).
+    """
+    stops = set() if ignore_eos else target.eos_token_ids
+    device, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
+    draft_to_target = drafter.d2t + torch.arange(drafter.d2t.numel(), device=drafter.d2t.device)
+    stats = {chain: AcceptanceStats(chain) for chain in chains}
+    for prompt, (output, _) in zip(prompts, reference):
+        sequence = [*prompt, *output]
+        aux = target.full_states(sequence).to(device=device, dtype=dtype)
+        ids = torch.tensor([sequence], device=device)
+        steps = drafter.forward_ttt(ids, aux[None], ttt_length=max(chains))
+        predicted = [draft_to_target[logits[0].argmax(-1)].tolist() for logits in steps]  # [step][row]
+        for chain in chains:
+            stats[chain].add(_replay(len(prompt), output, predicted, chain, max_new_tokens, stops))
+    return stats
+
+
+def _replay(length: int, output: list[int], predicted: list[list[int]], chain: int, max_new_tokens: int,
+            stops: set[int]) -> SpeculativeOutput:
+    """One request's rounds: the anchor row is the position before the last output token (its aux state paired
+    with that token); step k of that row proposes the token at anchor + 2 + k."""
+    result = SpeculativeOutput([output[0]], [])
+    active = not (output[0] in stops or max_new_tokens <= 1)
+    anchor = length - 1
+    while active:
+        count = min(chain, max_new_tokens - len(result.output_ids) - 1)
+        first = anchor + 2 - length  # index in ``output`` of the token the round's first draft proposes
+        accepted = 0
+        while (accepted < count and first + accepted < len(output)
+               and predicted[accepted][anchor] == output[first + accepted]):
+            accepted += 1
+        new = output[first: first + accepted + 1]
+        if not new:  # the reference ended without an end token (its budget): nothing more to verify
+            break
+        finished = False
+        for index, token in enumerate(new):
+            if token in stops:
+                new, finished = new[: index + 1], True
+                break
+        result.rounds.append(Round(drafted=count, accepted=accepted, produced=len(new)))
+        result.output_ids += new
+        active = not (finished or len(result.output_ids) >= max_new_tokens)
+        anchor += accepted + 1
+    return result

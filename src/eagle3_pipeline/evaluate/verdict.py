@@ -10,6 +10,12 @@ evaluation FAILS when, at some position, even the upper end of the 99 % confiden
 measured rate (Wilson's) is below ``min_ratio`` times the prediction. Positions reached fewer than
 ``MIN_ROUNDS`` times are not judged (too few to tell). Outputs that differ from the target's own
 greedy decode other than by numerical near-ties fail it too: the decode itself is wrong then.
+
+The replay (``speculative.replay_chains``) tells the two kinds of shortfall apart: the same drafter
+on the same prompts, every state from full forwards. The measured drafts accepted per verify below
+``REPLAY_MIN_RATIO`` of the replay's fail the run as a serving fault (a cache, position or row
+misread); both below the training's prediction, close to each other, is the drafter meeting prompts
+unlike its training data (the verdict's ``diagnosis`` says which).
 """
 
 from __future__ import annotations
@@ -22,6 +28,15 @@ MIN_ROUNDS = 30
 Z_99 = 2.5758  # two-sided 99 %
 DEFAULT_MIN_RATIO = 0.5
 
+REPLAY_MIN_RATIO = 0.8  # measured accepted drafts per verify, at least this share of the replay's
+REPLAY_MIN_ACCEPTED = 0.05  # a replay accepting fewer per verify is not judged (too little to compare)
+
+SERVING_CAUSES = [
+    "the target's forward with a KV cache differs from a full forward (a transformers version that takes the cache "
+    "under another name; the reference engine checks this at start, so look at which engine and version served)",
+    "the drafter's own KV cache, positions or verified rows at serving differ from its training forward (the "
+    "replay feeds it exactly what training did)",
+]
 LIKELY_CAUSES = [
     "the target's forward with a KV cache differs from a full forward (a transformers version that takes the cache "
     "under another name; the reference engine checks this at start, so look at which engine and version served)",
@@ -62,15 +77,53 @@ def predicted_tau(rates: list[float] | None, draft_tokens: int) -> float | None:
     return 1.0 + acceptance_length(rates[:draft_tokens])
 
 
+def judge_replay(runs: list[dict]) -> tuple[list[dict], list[str]]:
+    """Each run with a ``replayed`` record: its accepted drafts per verify against the replay's."""
+    checks, problems = [], []
+    for run in runs:
+        replayed = run.get("replayed")
+        if not replayed:
+            continue
+        measured, wanted = run["mean_accepted"], replayed["mean_accepted"]
+        judged = run["target_forwards"] >= MIN_ROUNDS and wanted >= REPLAY_MIN_ACCEPTED
+        ok = not judged or measured >= REPLAY_MIN_RATIO * wanted
+        checks.append({"draft_tokens": run["draft_tokens"], "measured": measured, "replayed": wanted,
+                       "judged": judged, "ok": ok})
+        if not ok:
+            problems.append(
+                f"chain of {run['draft_tokens']}: {measured:.3f} drafts accepted per verify, while the same drafter "
+                f"replayed from full forwards of the same prompts accepts {wanted:.3f} (the check asks for at least "
+                f"{REPLAY_MIN_RATIO:g} of that): the serving path loses what the drafter can do")
+    return checks, problems
+
+
+def diagnose(runs: list[dict], rates: list[float] | None, source: str | None) -> str | None:
+    """One sentence on where the measured acceptance stands between the replay and the training's prediction."""
+    run = next((r for r in runs if r.get("replayed") and r.get("predicted_tau")), None)
+    if run is None or rates is None:
+        return None
+    replayed, predicted, measured = 1 + run["replayed"]["mean_accepted"], run["predicted_tau"], run["tau"]
+    text = (f"chain of {run['draft_tokens']}: tau measured {measured:.3f}, replayed from full forwards "
+            f"{replayed:.3f}, predicted by {source} {predicted:.3f}")
+    if replayed < measured * REPLAY_MIN_RATIO or measured < replayed * REPLAY_MIN_RATIO:
+        return text + ": the serving path and the replay disagree (see the problems)"
+    if replayed < 0.9 * predicted:
+        return (text + ": serving does what the drafter can do on these prompts; these prompts are harder for it "
+                "than its training data (another distribution: their first answers, other lengths or topics)")
+    return text + ": serving does what the drafter can do, as its training predicts"
+
+
 def judge(runs: list[dict], rates: list[float] | None, source: str | None, reference_faults: int,
           min_ratio: float = DEFAULT_MIN_RATIO) -> dict:
     """The verdict over every measured chain length.
 
     ``runs``: per chain length ``draft_tokens``, ``accepted`` and ``reached`` counts per position
-    (``AcceptanceStats``). ``reference_faults``: outputs that differ from the full-forward decode other
-    than by near-ties.
+    (``AcceptanceStats``), and ``replayed`` (``AcceptanceStats.as_dict`` of the replay) when one was made.
+    ``reference_faults``: outputs that differ from the full-forward decode other than by near-ties.
     """
-    positions, problems = [], []
+    replay_checks, problems = judge_replay(runs)
+    positions = []
+    predicted_problem = False
     for run in runs:
         for index, (accepted, reached) in enumerate(zip(run["accepted"], run["reached"])):
             if rates is None or index >= len(rates) or min_ratio <= 0:
@@ -83,6 +136,7 @@ def judge(runs: list[dict], rates: list[float] | None, source: str | None, refer
                               "rounds": reached, "upper_99": upper, "predicted": rates[index], "judged": judged,
                               "ok": ok})
             if not ok:
+                predicted_problem = True
                 problems.append(
                     f"chain of {run['draft_tokens']}, draft position {index + 1}: accepted in {accepted} of {reached} "
                     f"rounds that reached it ({measured:.3f}; 99 % upper bound {upper:.3f}), while {source} predicts "
@@ -90,6 +144,14 @@ def judge(runs: list[dict], rates: list[float] | None, source: str | None, refer
     if reference_faults:
         problems.append(f"{reference_faults} output(s) differ from the target's own greedy decode by full forwards, "
                         "other than by numerical near-ties: the speculative decode itself reads wrong states")
+    serving = reference_faults or any(not check["ok"] for check in replay_checks)
+    # A replay that serving matched rules the serving path out of the causes of a shortfall against training.
+    replay_cleared = any(check["judged"] for check in replay_checks) and not serving
+    causes = [*(SERVING_CAUSES if serving else []),
+              *((LIKELY_CAUSES[1:] if replay_cleared else LIKELY_CAUSES) if predicted_problem else [])]
     return {"passed": not problems, "min_ratio": min_ratio, "min_rounds": MIN_ROUNDS, "predicted_from": source,
-            "positions": positions, "problems": problems, "likely_causes": LIKELY_CAUSES if problems else [],
-            "judged": any(p["judged"] for p in positions) or bool(reference_faults)}
+            "positions": positions, "replay": replay_checks, "replay_min_ratio": REPLAY_MIN_RATIO,
+            "diagnosis": diagnose(runs, rates, source), "problems": problems,
+            "likely_causes": (causes or LIKELY_CAUSES) if problems else [],
+            "judged": any(p["judged"] for p in positions) or any(c["judged"] for c in replay_checks)
+            or bool(reference_faults)}

@@ -53,6 +53,7 @@ class ChainComparison:
     judged: int  # draft positions the evaluation's verdict judged at this chain length
     below: int  # of those, the ones below what the training predicts
     why_not_simulated: str | None = None
+    replayed_tau: float | None = None  # the same drafter and prompts replayed from full forwards (no cache)
 
 
 @dataclass
@@ -66,6 +67,7 @@ class RunVerdict:
     min_ratio: float | None
     checks: list[Check]
     look_at: list[LookAt]
+    diagnosis: str | None = None  # measured against the replay and the training (the evaluation's verdict)
 
 
 def _num(value: object) -> float | None:
@@ -268,8 +270,10 @@ def chain_comparisons(inputs: ReportInputs) -> list[ChainComparison]:
         if simulated is None:
             why = (f"the training simulates {_plural(simulated_positions, 'draft position')}"
                    if simulated_positions and chain and chain > simulated_positions else "no simulation recorded")
+        replayed = run.get("replayed") if isinstance(run.get("replayed"), dict) else {}
         chains.append(ChainComparison(chain, _num(run.get("tau")), simulated, len(judged),
-                                      sum(1 for p in judged if p.get("ok") is False), why))
+                                      sum(1 for p in judged if p.get("ok") is False), why,
+                                      _num(replayed.get("tau"))))
     return chains
 
 
@@ -356,5 +360,7 @@ def run_verdict(inputs: ReportInputs) -> RunVerdict:
     simulated_from = (verdict or {}).get("predicted_from") or _record(inputs).get("simulated_from") or \
         inputs.acceptance.simulated_source
     min_ratio = _num((verdict or {}).get("min_ratio"))
+    diagnosis = (verdict or {}).get("diagnosis")
     return RunVerdict(word, sentence, chains, simulated_from if isinstance(simulated_from, str) else None, min_ratio,
-                      checks, look_at(inputs))
+                      checks, look_at(inputs), _sentence(diagnosis) if isinstance(diagnosis, str) and diagnosis
+                      else None)

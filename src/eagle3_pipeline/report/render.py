@@ -631,13 +631,16 @@ def chains_table(verdict: RunVerdict, inputs: ReportInputs) -> Html:
         judged = ("none (too few rounds)" if not chain.judged else
                   tag("span", f"{chain.judged} judged, all within", class_="ok") if not chain.below else
                   tag("span", f"{chain.judged} judged, {chain.below} below", class_="bad"))
-        rows.append((number(chain.draft_tokens), number(chain.measured_tau, 2), simulated, ratio, judged))
+        replayed = number(chain.replayed_tau, 2) if chain.replayed_tau is not None else "-"
+        rows.append((number(chain.draft_tokens), number(chain.measured_tau, 2), replayed, simulated, ratio, judged))
     source = f"Simulated from {verdict.simulated_from}. " if verdict.simulated_from else ""
     return join([
-        table(["drafts per verify", "measured tau", "simulated tau (training)", "measured / simulated",
-               "draft positions judged"], rows, numeric=(0, 1, 3)),
-        tag("p", f"tau: tokens per target forward (1 + the drafts accepted per verify). {source}Details under "
-                 "Acceptance below.", class_="muted"),
+        table(["drafts per verify", "measured tau", "replayed tau (full forwards)", "simulated tau (training)",
+               "measured / simulated", "draft positions judged"], rows, numeric=(0, 1, 2, 4)),
+        tag("p", f"tau: tokens per target forward (1 + the drafts accepted per verify). Replayed: the same drafter "
+                 "on the same prompts, every state from full forwards of the target's greedy decode (what serving "
+                 f"should measure). {source}Details under Acceptance below.", class_="muted"),
+        *([tag("p", verdict.diagnosis)] if verdict.diagnosis else []),
     ])
 
 
