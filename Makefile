@@ -67,9 +67,10 @@ host-packages:
 	  $$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; }
 
 # Three workers on two cores: most tests wait on servers, playbooks and subprocesses, not on the CPU.
-# A test module stays in one worker (--dist loadfile), with its module-scoped fixtures.
+# A test module stays in one worker (--dist loadfile), with its module-scoped fixtures. The slowest
+# tests are listed at the end (--durations): what to look at when make test grows.
 pytest: venv host-packages
-	$(BIN)/pytest tests --ignore=tests/gpu --ignore=tests/sglang -n 3 --dist loadfile
+	$(BIN)/pytest tests --ignore=tests/gpu --ignore=tests/sglang -n 3 --dist loadfile --durations=25
 
 test-sglang: venv-sglang
 	.venv-sglang/bin/python -m pytest tests/sglang

@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from eagle3_pipeline.extract.client import EngineClient, EngineError, ServerUnreachable, engine_facts
+from eagle3_pipeline.extract.client import EngineClient, EngineError, ServerTimeout, ServerUnreachable, engine_facts
 
 OK = {"text": "", "output_ids": [7], "meta_info": {"prompt_tokens": 3, "cached_tokens": 0}}
 
@@ -22,8 +22,9 @@ OK = {"text": "", "output_ids": [7], "meta_info": {"prompt_tokens": 3, "cached_t
 class ScriptedServer:
     """A real HTTP/1.1 server on 127.0.0.1 answering each request with the next scripted reply."""
 
-    def __init__(self, replies):
+    def __init__(self, replies, delay_s: float = 0.0):
         self.replies = list(replies)
+        self.delay_s = delay_s  # before each answer: a server far slower than the client's timeout
         self.requests = []  # (method, path, headers, parsed body)
         self.peers = []  # the client's (host, port) of each request: one per connection
         owner = self
@@ -39,6 +40,7 @@ class ScriptedServer:
                 raw = self.rfile.read(length) if length else b""
                 owner.requests.append((self.command, self.path, dict(self.headers), json.loads(raw) if raw else None))
                 owner.peers.append(self.client_address)
+                time.sleep(owner.delay_s)
                 status, body = owner.replies.pop(0) if owner.replies else (200, OK)
                 data = json.dumps(body).encode() if not isinstance(body, bytes) else body
                 self.send_response(status)
@@ -65,8 +67,8 @@ class ScriptedServer:
 def serve():
     started = []
 
-    def start(*replies):
-        server = ScriptedServer(replies)
+    def start(*replies, delay_s: float = 0.0):
+        server = ScriptedServer(replies, delay_s)
         started.append(server)
         return server
 
@@ -108,6 +110,28 @@ def test_a_server_that_stays_overloaded_is_unreachable_after_the_retries_with_th
     assert "last: HTTP 503: overloaded" in message
     assert "samples already stored are kept" in message
     assert client.retried == 2
+
+
+def test_a_request_without_an_answer_in_time_is_not_sent_again_and_stops_the_run(serve):
+    """On a slow CPU host the regeneration's requests timed out and were resent with the same request id: the
+    server, still working on them, refused each as a duplicate and 159 of 197 conversations were skipped. A
+    request that went out whole and got no answer is now a fatal, named timeout; it is never sent twice."""
+    server = serve(delay_s=1.0)
+    client = EngineClient(server.url, timeout_s=0.3, retries=3, backoff_s=0.01)
+
+    with pytest.raises(ServerTimeout) as caught:
+        client.generate([1, 2, 3], "rid-slow", 0)
+
+    message = str(caught.value)
+    assert f"{server.url}/generate: no answer within 0.3 s" in message
+    assert "not sent again" in message and "raise the request timeout or lower the concurrency" in message
+    assert isinstance(caught.value, ServerUnreachable)  # the jobs stop on it and keep what is done
+    time.sleep(1.2)  # whatever the server still had in hand has arrived by now
+    assert [request[3]["rid"] for request in server.requests] == ["rid-slow"]
+    assert client.retried == 0
+    # A GET asks nothing of the engine: asked again, then unreachable after the retries.
+    with pytest.raises(ServerUnreachable, match="no answer after 4 attempts .*no answer within 0.3 s"):
+        client.call("GET", "/server_info")
 
 
 def test_401_stops_at_once_naming_the_api_key(serve):

@@ -27,6 +27,15 @@ class ServerUnreachable(RuntimeError):
     """The server did not answer through every retry; the message says where and what to check."""
 
 
+class ServerTimeout(ServerUnreachable):
+    """A request was sent and no answer came within the timeout: the server may still be working on it, so it
+    is not sent again (the same request id would be refused as a duplicate, a new one would double the load)."""
+
+
+class _AnswerTimeout(Exception):
+    """The request went out whole; the answer did not come in time."""
+
+
 class EngineError(RuntimeError):
     """The server refused one request (4xx); the message is the server's."""
 
@@ -102,8 +111,11 @@ class EngineClient:
         conn = self._connection()
         try:
             conn.request(method, path, body=data, headers=headers)
-            response = conn.getresponse()
-            raw = response.read()
+            try:
+                response = conn.getresponse()
+                raw = response.read()
+            except TimeoutError as exc:
+                raise _AnswerTimeout from exc
         except BaseException:
             self._drop_connection()
             raise
@@ -126,6 +138,15 @@ class EngineClient:
             reused = getattr(self._local, "conn", None) is not None and getattr(self._local, "used", False)
             try:
                 status, answer = self._once(method, path, body)
+            except _AnswerTimeout:
+                if method == "GET":  # asks nothing of the server's engine: asking again costs nothing
+                    last, attempt = f"no answer within {self.timeout_s:g} s", attempt + 1
+                    continue
+                raise ServerTimeout(
+                    f"{self.url}{path}: no answer within {self.timeout_s:g} s; the server may still be working on "
+                    "the request, so it is not sent again: the server is overloaded, stuck or far slower than "
+                    "expected. Check its log and load, then raise the request timeout or lower the concurrency, and "
+                    "rerun: what is done is kept") from None
             except (TimeoutError, http.client.HTTPException, OSError) as exc:
                 last = f"{type(exc).__name__}: {exc}"
                 # A kept-alive connection the server has since closed: reconnect at once, no backoff.
