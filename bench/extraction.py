@@ -373,7 +373,8 @@ def fs_type(path: Path) -> str:
 
 
 def extract_round(url: str, dataset: Path, out: Path, capture_dir: Path, settings: dict,
-                  requests: list[tuple[str, list[int]]], log: Path, storage_dtype: str = "bfloat16") -> dict:
+                  requests: list[tuple[str, list[int]]], log: Path, storage_dtype: str = "bfloat16",
+                  env: dict | None = None) -> dict:
     """One ``eagle3-pipeline extract`` into a fresh ``out``; timed, checked, measured, then deleted."""
     from safetensors import safe_open  # noqa: PLC0415
 
@@ -388,7 +389,7 @@ def extract_round(url: str, dataset: Path, out: Path, capture_dir: Path, setting
     watcher.start()
     started = time.time()
     with open(log, "w") as handle:
-        rc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=_env(), check=False,
+        rc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env={**_env(), **(env or {})}, check=False,
                             timeout=900).returncode
     exited = time.time()
     watcher.finish()
@@ -469,6 +470,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--work-dir", type=Path, help="the extraction's output goes here (default: a new dir in "
                                                       "/var/tmp); must not be tmpfs")
     parser.add_argument("--no-diagnostic", action="store_true", help="skip the logprobs-only rounds")
+    parser.add_argument("--float8-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="also a float8 extract round with these environment variables (repeat), e.g. "
+                        "OMP_NUM_THREADS=1: does the quantization in the worker threads scale without torch's own?")
     parser.add_argument("--float8", action="store_true",
                         help="also an extract round storing float8_e4m3 (--storage-dtype) after each bf16 one: "
                         "the same requests, its tokens/s beside bf16's")
@@ -531,7 +535,8 @@ def main(argv: list[str] | None = None) -> int:
         lengths = [len(ids) for _, ids in requests]
         settings = {"samples": args.samples, "max_length": args.max_tokens, "concurrency": args.concurrency,
                     "max_batch_size": args.max_batch_size, "rounds": args.rounds, "dataset": args.dataset,
-                    "min_tokens": args.min_tokens, "max_tokens": args.max_tokens, "extract_args": args.extract_arg}
+                    "min_tokens": args.min_tokens, "max_tokens": args.max_tokens, "extract_args": args.extract_arg,
+                    "float8_env": args.float8_env}
         info = {
             "device": args.device, "gpu": gpu_name() if args.device == "cuda" else None,
             "model": {"path": str(model), "parameters": parameter_count(model), "hidden_size": config["hidden_size"],
@@ -552,14 +557,16 @@ def main(argv: list[str] | None = None) -> int:
         send_round(url, warm, args.concurrency, "warm-fwd", capture_dir, logprobs=False)
         send_round(url, warm, args.concurrency, "warm-lp", capture_dir, logprobs=True)
         modes = (["forward"] + ([] if args.no_diagnostic else ["logprobs"]) + ["extract"]
-                 + (["extract-float8"] if args.float8 else []))
+                 + (["extract-float8"] if args.float8 else []) + (["extract-float8-env"] if args.float8_env else []))
+        float8_env = dict(item.split("=", 1) for item in args.float8_env)
         rows = []
         for number in range(1, args.rounds + 1):
             for mode in modes:
                 if mode.startswith("extract"):
                     row = extract_round(url, dataset, work / "out", capture_dir, settings, requests,
                                         work / f"{mode}-{number}.log",
-                                        "float8_e4m3" if mode == "extract-float8" else "bfloat16")
+                                        "bfloat16" if mode == "extract" else "float8_e4m3",
+                                        float8_env if mode == "extract-float8-env" else None)
                 else:
                     row = send_round(url, requests, args.concurrency, f"{mode[:3]}{number}", capture_dir,
                                      logprobs=mode == "logprobs")
@@ -617,6 +624,8 @@ def summarize(info: dict, settings: dict, rows: list[dict]) -> dict:
         "float8_ratio": medians["extract-float8"] / medians["extract"] if "extract-float8" in medians else None,
         "float8_ratio_per_round": [round(r["extract-float8"] / r["extract"], 3) for r in by_round.values()
                                    if "extract-float8" in r],
+        "float8_env_ratio": medians["extract-float8-env"] / medians["extract"] if "extract-float8-env" in medians
+        else None,
         "bytes": extract_rows[0]["bytes"],
         "float8_bytes": next((r["bytes"] for r in rows if r["mode"] == "extract-float8"), None),
         "near_ties": sum(r["near_ties"] for r in extract_rows),
@@ -660,6 +669,9 @@ def print_report(result: dict) -> None:
     if result["float8_ratio"] is not None:
         print(f"Ratio extract float8 / extract bfloat16 (medians; target >= 1, no slower): "
               f"{result['float8_ratio']:.3f}; per round: {', '.join(map(str, result['float8_ratio_per_round']))}")
+    if result["float8_env_ratio"] is not None:
+        print(f"Ratio extract float8 with {' '.join(s['float8_env'])} / extract bfloat16 (medians): "
+              f"{result['float8_env_ratio']:.3f}")
     for b in filter(None, (result["bytes"], result["float8_bytes"])):
         print(f"Bytes per stored token, {b['dtype']}: exact {b['formula']} = {b['exact_per_token']}; tensor data "
               f"{b['data_per_token']:.2f}; sample files {b['sample_files_per_token']:.2f} "
