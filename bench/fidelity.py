@@ -202,7 +202,7 @@ def measure(drafters: dict[str, Path], data_dir: Path, args, dtype: str, prompts
         runs, outputs = measure_chains(target, EagleProposer(drafter), prompt_ids, list(chains),
                                        args.max_new_tokens, args.eval_batch_tokens, say=lambda _m: None)
         check = check_outputs(target, prompt_ids, names, outputs, args.max_new_tokens, args.eval_batch_tokens,
-                              reference=reference, say=lambda _m: None)
+                              reference=reference, reference_s=reference_s, say=lambda _m: None)
         replayed = replay(target, drafter, prompt_ids, reference, list(chains), args.max_new_tokens,
                           say=lambda _m: None)
         training = json.loads((training_dir / "training.json").read_text())

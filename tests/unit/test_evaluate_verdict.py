@@ -84,7 +84,7 @@ def test_serving_below_the_replay_fails_as_a_serving_fault_even_within_the_train
     assert not verdict["passed"]
     assert "replayed from full forwards of the same prompts accepts 0.570" in verdict["problems"][0]
     assert verdict["replay"] == [{"draft_tokens": 3, "measured": 0.2, "replayed": 0.57, "judged": True, "ok": False}]
-    assert "KV cache" in verdict["likely_causes"][0] and "disagree" in verdict["diagnosis"]
+    assert "KV cache" in verdict["likely_causes"][0] and "serving accepts less than the replay" in verdict["diagnosis"]
 
 
 def test_serving_as_replayed_but_below_training_says_the_prompts_differ_and_drops_the_serving_causes():

@@ -268,13 +268,15 @@ def measure_chains(target, proposer, prompt_ids: list[list[int]], draft_tokens: 
 
 
 def check_outputs(target, prompt_ids: list[list[int]], names: list[str], outputs: dict, max_new_tokens: int,
-                  batch_tokens: int, ignore_eos: bool = False, reference=None, say=_say) -> dict:
+                  batch_tokens: int, ignore_eos: bool = False, reference=None, reference_s: float = 0.0,
+                  say=_say) -> dict:
     """Every speculative output against the target's greedy decode by full forwards (``reference``: that decode,
-    when already made for these prompts and settings); the mismatches with their near-tie verdicts."""
+    when already made for these prompts and settings, in ``reference_s`` seconds); the mismatches with their
+    near-tie verdicts."""
     from eagle3_pipeline.evaluate.speculative import compare_with_reference, judge_mismatches  # noqa: PLC0415
 
     check = {"checked": True, "method": "greedy decode by a full forward of the whole sequence per token, no KV "
-             "cache", "mismatches": [], "near_ties": 0, "faults": 0, "decode_s": 0.0}
+             "cache", "mismatches": [], "near_ties": 0, "faults": 0, "decode_s": reference_s}
     if reference is None:
         began = time.perf_counter()
         reference = target.greedy_reference(prompt_ids, max_new_tokens, ignore_eos, batch_tokens)
@@ -346,8 +348,7 @@ def run_reference(args, prompts, aux_layers: list[int], target_path: str) -> dic
         began = time.perf_counter()
         reference = target.greedy_reference(prompt_ids, args.max_new_tokens, args.ignore_eos, args.batch_tokens)
         check = check_outputs(target, prompt_ids, [p.sample_id for p in prompts], outputs, args.max_new_tokens,
-                              args.batch_tokens, args.ignore_eos, reference=reference)
-        check["decode_s"] = time.perf_counter() - began
+                              args.batch_tokens, args.ignore_eos, reference, time.perf_counter() - began)
         replayed = replay(target, drafter, prompt_ids, reference, args.draft_tokens, args.max_new_tokens,
                           args.ignore_eos)
     return {"runs": runs, "check": check, "replay": replayed, "device": str(target.device),

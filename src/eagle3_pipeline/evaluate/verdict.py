@@ -31,15 +31,18 @@ DEFAULT_MIN_RATIO = 0.5
 REPLAY_MIN_RATIO = 0.8  # measured accepted drafts per verify, at least this share of the replay's
 REPLAY_MIN_ACCEPTED = 0.05  # a replay accepting fewer per verify is not judged (too little to compare)
 
-SERVING_CAUSES = [
+CACHED_FORWARD_CAUSE = (
     "the target's forward with a KV cache differs from a full forward (a transformers version that takes the cache "
-    "under another name; the reference engine checks this at start, so look at which engine and version served)",
+    "under another name; the reference engine checks this at start, so look at which engine and version served)")
+# Causes a shortfall against the replay points to (the replay reads the same drafter, prompts and mapping).
+SERVING_CAUSES = [
+    CACHED_FORWARD_CAUSE,
     "the drafter's own KV cache, positions or verified rows at serving differ from its training forward (the "
     "replay feeds it exactly what training did)",
 ]
+# Causes of a shortfall against the training's prediction; all but the first remain when the replay matched.
 LIKELY_CAUSES = [
-    "the target's forward with a KV cache differs from a full forward (a transformers version that takes the cache "
-    "under another name; the reference engine checks this at start, so look at which engine and version served)",
+    CACHED_FORWARD_CAUSE,
     "the drafter was trained on other aux layers, or another layer convention, than the serving target captures "
     "(config.json eagle_config.eagle_aux_hidden_state_layer_ids against the extraction's data_config.json)",
     "a draft vocabulary mapping (d2t/t2d) that does not fit the target's vocabulary, or another target model or "
@@ -97,16 +100,17 @@ def judge_replay(runs: list[dict]) -> tuple[list[dict], list[str]]:
     return checks, problems
 
 
-def diagnose(runs: list[dict], rates: list[float] | None, source: str | None) -> str | None:
-    """One sentence on where the measured acceptance stands between the replay and the training's prediction."""
+def diagnose(runs: list[dict], replay_checks: list[dict], source: str | None) -> str | None:
+    """One sentence on where the measured acceptance stands between the replay and the training's prediction
+    (the first chain with both; ``replay_checks`` from ``judge_replay``)."""
     run = next((r for r in runs if r.get("replayed") and r.get("predicted_tau")), None)
-    if run is None or rates is None:
+    if run is None:
         return None
     replayed, predicted, measured = 1 + run["replayed"]["mean_accepted"], run["predicted_tau"], run["tau"]
     text = (f"chain of {run['draft_tokens']}: tau measured {measured:.3f}, replayed from full forwards "
             f"{replayed:.3f}, predicted by {source} {predicted:.3f}")
-    if replayed < measured * REPLAY_MIN_RATIO or measured < replayed * REPLAY_MIN_RATIO:
-        return text + ": the serving path and the replay disagree (see the problems)"
+    if any(check["draft_tokens"] == run["draft_tokens"] and not check["ok"] for check in replay_checks):
+        return text + ": serving accepts less than the replay (see the problems)"
     if replayed < 0.9 * predicted:
         return (text + ": serving does what the drafter can do on these prompts; these prompts are harder for it "
                 "than its training data (another distribution: their first answers, other lengths or topics)")
@@ -151,7 +155,7 @@ def judge(runs: list[dict], rates: list[float] | None, source: str | None, refer
               *((LIKELY_CAUSES[1:] if replay_cleared else LIKELY_CAUSES) if predicted_problem else [])]
     return {"passed": not problems, "min_ratio": min_ratio, "min_rounds": MIN_ROUNDS, "predicted_from": source,
             "positions": positions, "replay": replay_checks, "replay_min_ratio": REPLAY_MIN_RATIO,
-            "diagnosis": diagnose(runs, rates, source), "problems": problems,
+            "diagnosis": diagnose(runs, replay_checks, source), "problems": problems,
             "likely_causes": (causes or LIKELY_CAUSES) if problems else [],
             "judged": any(p["judged"] for p in positions) or any(c["judged"] for c in replay_checks)
             or bool(reference_faults)}
