@@ -206,12 +206,14 @@ def measure(drafters: dict[str, Path], data_dir: Path, args, dtype: str, prompts
         replayed = replay(target, drafter, prompt_ids, reference, list(chains), args.max_new_tokens,
                           say=lambda _m: None)
         training = json.loads((training_dir / "training.json").read_text())
-        figures, verdict = judge_runs(runs, training, check, 0.5, replayed)
+        figures, verdict = judge_runs(runs, training, check, 0.5, replayed, args.max_new_tokens)
         results["drafters"][name] = {
             "training_dir": str(training_dir), "verdict_passed": verdict["passed"], "problems": verdict["problems"],
             "diagnosis": verdict["diagnosis"], "near_ties": check["near_ties"], "faults": check["faults"],
             "mismatches": check["mismatches"][:20],
-            "runs": [{key: run[key] for key in ("draft_tokens", "tau", "predicted_tau", "replayed",
+            "predicted_from": verdict["predicted_from"],
+            "runs": [{key: run[key] for key in ("draft_tokens", "tau", "predicted_tau", "predicted_tau_all_tokens",
+                                                 "replayed",
                                                  "accepted_per_position",
                                                  "conditional_acceptance_per_position", "target_forwards",
                                                  "tokens_generated", "decode_s", "tokens_per_s")} for run in figures],

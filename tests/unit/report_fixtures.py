@@ -65,7 +65,9 @@ def metrics_lines(steps: int = 6, positions: int = 3) -> str:
                       "tokens_per_s": 800.0, "lr": 1e-3})
     lines.append({"kind": "eval", "step": steps, "loss": 2.0, "loss_k": [0.7] * positions,
                   "acc_k": [0.6, 0.5, 0.4][:positions], "cond_acc_k": [0.6, 0.5, 0.4][:positions],
-                  "acceptance_length": 0.6 + 0.3 + 0.12, "samples": 5})
+                  "acceptance_length": 0.6 + 0.3 + 0.12, "samples": 5,
+                  "opening": {"tokens": 128, "acc_k": [0.45, 0.35, 0.25][:positions],
+                              "cond_acc_k": [0.45, 0.55, 0.65][:positions], "acceptance_length": 0.8762, "rows": 345}})
     return "".join(json.dumps(line) + "\n" for line in lines) + '{"kind": "train", "step": 7, "lo'  # torn tail
 
 

@@ -69,6 +69,17 @@ def test_predictions_come_from_the_held_out_split_first():
     assert predicted_tau([0.5, 0.4], 3) is None
 
 
+def test_the_prediction_comes_from_served_first_answers_when_the_training_scored_them():
+    opening = {"tokens": 128, "cond_acc_k": [0.3, 0.2], "rows": MIN_ROUNDS}
+    training = {"eval": {"cond_acc_k": [0.5, 0.4], "opening": opening}}
+    rates, source = predicted_rates(training, 128)
+    assert rates == [0.3, 0.2] and "first answers of 128 tokens" in source
+    # Scored for another length, over too few rows, or no length asked: the whole held-out split.
+    for other, asked in (({**opening, "tokens": 64}, 128), ({**opening, "rows": MIN_ROUNDS - 1}, 128), (opening, None)):
+        assert predicted_rates({"eval": {"cond_acc_k": [0.5, 0.4], "opening": other}}, asked) == \
+            ([0.5, 0.4], "the training's held-out split")
+
+
 def _replayed_run(draft_tokens, accepted, reached, replay_accepted, rounds=1000, predicted_tau=None):
     """A run with the figures judge_replay and diagnose read: the measured and the replayed accepted drafts."""
     return {**_run(draft_tokens, accepted, reached), "target_forwards": rounds, "mean_accepted": sum(accepted) / rounds,

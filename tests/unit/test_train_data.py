@@ -209,3 +209,18 @@ def test_a_file_not_matching_the_manifest_is_named(tmp_path, data_dir):
     with pytest.raises(DataError, match="s-2.safetensors: unreadable"):
         load_batch(data, [2])
     assert train_data.PACK_WINDOW > 0
+
+
+def test_the_opening_mask_is_what_serving_a_first_answer_drafts():
+    # Four packed samples: two assistant turns; one turn; no assistant token; a one-token answer.
+    loss_mask = torch.tensor([0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1], dtype=torch.bool)
+    doc_ids = torch.tensor([0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 3])
+    # Tokens 2..N of each sample's first run: never its first token (the prefill's), never a later turn.
+    assert train_data.opening_mask(loss_mask, doc_ids, 3).int().tolist() == \
+        [0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0]
+    assert train_data.opening_mask(loss_mask, doc_ids, 100).int().tolist() == \
+        [0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0]
+    assert not train_data.opening_mask(loss_mask, doc_ids, 1).any()
+    # A sample whose first turn ends where the next sample's begins is two runs, not one.
+    joined = train_data.opening_mask(torch.ones(6, dtype=torch.bool), torch.tensor([0, 0, 0, 1, 1, 1]), 100)
+    assert joined.int().tolist() == [0, 1, 1, 0, 1, 1]

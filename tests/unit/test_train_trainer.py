@@ -159,3 +159,22 @@ def test_training_from_float8_data_follows_the_unquantized_run(data_dir, tmp_pat
     assert 0 < max(differences) < 0.05, differences
     losses = [loss for _, loss in quantized]
     assert sum(losses[-5:]) < 0.85 * sum(losses[:5])
+
+
+def test_the_held_out_split_is_scored_over_served_first_answers_too(data_dir, tmp_path):
+    # Every fixture sample is one assistant turn after 3 prompt tokens; with the whole draft vocabulary
+    # every valid row is scored. Step 0 scores row t on token t + 2, so a sample of T tokens has T - 3
+    # rows over every assistant token, T - 4 over tokens 2.. of the answer, N - 1 over tokens 2..N.
+    plan = tr.make_plan(config(data_dir, tmp_path / "plan", draft_vocab_size=VOCAB))
+    lengths = [sample.tokens for sample in plan.held]
+    assert lengths
+    whole = tr.train(config(data_dir, tmp_path / "a", draft_vocab_size=VOCAB, max_steps=4,
+                            eval_opening_tokens=1000))["eval"]
+    assert whole["opening"]["tokens"] == 1000 and whole["opening"]["rows"] == sum(t - 4 for t in lengths)
+    assert len(whole["opening"]["cond_acc_k"]) == len(whole["cond_acc_k"]) == 3
+    short = tr.train(config(data_dir, tmp_path / "b", draft_vocab_size=VOCAB, max_steps=4,
+                            eval_opening_tokens=5))["eval"]
+    assert short["opening"]["rows"] == 4 * len(lengths)
+    # The same weights (same seed and steps): the whole split's figures do not depend on the opening's.
+    assert short["acc_k"] == whole["acc_k"] and short["loss"] == whole["loss"]
+    assert "opening" not in tr.train(config(data_dir, tmp_path / "c", max_steps=4, eval_opening_tokens=0))["eval"]

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from eagle3_pipeline.checksum import file_sha256
-from eagle3_pipeline.evaluate.verdict import DEFAULT_MIN_RATIO
+from eagle3_pipeline.evaluate.verdict import DEFAULT_MIN_RATIO, prediction_record
 from eagle3_pipeline.train.command import _positive_int  # the same option type as train's
 
 DEFAULT_BATCH_TOKENS = 131072
@@ -53,8 +53,9 @@ RESULT_FORMAT = "eagle3-pipeline/evaluation"
 # the training's max_length are excluded.
 HELDOUT_RULE = 2
 # What the verdict weighs; raised when that changes, so that a result judged without it is measured again.
-# 2: the replay from full forwards (``speculative.replay_chains``) beside every measured chain.
-VERDICT_RULE = 2
+# 2: the replay from full forwards (``speculative.replay_chains``) beside every measured chain; 3: the prediction
+# from the held-out split scored over what serving first answers of max_new_tokens drafts (``eval.opening``).
+VERDICT_RULE = 3
 ENGINES = ("reference", "sglang")
 # SGLang's default chain for EAGLE3 drafters (3 steps, topk 1, 4 verified tokens, see
 # serve/sglang_command.py DEFAULT_SPECULATIVE_STEPS) and the longer chain peers publish (SpecForge's
@@ -296,12 +297,15 @@ def check_outputs(target, prompt_ids: list[list[int]], names: list[str], outputs
 
 
 def judge_runs(measured_runs: list[dict], training: dict, check: dict, min_ratio: float,
-               replay: dict | None = None) -> tuple[list[dict], dict]:
+               replay: dict | None = None, max_new_tokens: int | None = None) -> tuple[list[dict], dict]:
     """Each chain's figures for evaluation.json beside the training's prediction and the replay's (``replay``:
-    chain length -> ``AcceptanceStats`` of ``replay_chains``), and the verdict over all."""
+    chain length -> ``AcceptanceStats`` of ``replay_chains``), and the verdict over all. ``max_new_tokens``: the
+    decode's, so that the prediction comes from the training's score over answers of that length when it has one
+    (``verdict.predicted_rates``); ``predicted_tau_all_tokens`` keeps the whole held-out split's beside it."""
     from eagle3_pipeline.evaluate.verdict import judge, predicted_rates, predicted_tau  # noqa: PLC0415
 
-    rates, source = predicted_rates(training)
+    rates, source = predicted_rates(training, max_new_tokens)
+    every_token, _ = predicted_rates(training)  # without max_new_tokens: never the opening score
     runs = []
     for run in measured_runs:
         stats = run["stats"]
@@ -309,6 +313,7 @@ def judge_runs(measured_runs: list[dict], training: dict, check: dict, min_ratio
         replayed = (replay or {}).get(chain)
         runs.append({"draft_tokens": chain, **stats.as_dict(), "accepted": list(stats.accepted),
                      "reached": list(stats.reached), "predicted_tau": predicted_tau(rates, chain),
+                     "predicted_tau_all_tokens": predicted_tau(every_token, chain),
                      "predicted_conditional_acceptance": rates[:chain] if rates else None,
                      "replayed": None if replayed is None else {**replayed.as_dict(),
                                                                 "accepted": list(replayed.accepted),
@@ -478,10 +483,10 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_CRASH
     check = measured["check"]
     runs, verdict = judge_runs(measured["runs"], inputs["training"], check, args.min_acceptance_ratio,
-                               measured.get("replay"))
+                               measured.get("replay"), args.max_new_tokens)
     source = verdict["predicted_from"]
     primary = runs[0]
-    simulated = (inputs["training"].get("eval") or inputs["training"].get("last") or {}).get("acceptance_length")
+    simulated = (prediction_record(inputs["training"], args.max_new_tokens)[0] or {}).get("acceptance_length")
     document = {
         "format": RESULT_FORMAT, "fingerprint": wanted, "engine": args.engine,
         **{key: primary[key] for key in primary if key not in ("accepted", "reached")},
@@ -496,7 +501,8 @@ def _run(args: argparse.Namespace) -> int:
         "replayed_tau": (primary.get("replayed") or {}).get("tau"), "diagnosis": verdict["diagnosis"],
         "note": ("tau = tokens produced by verify forwards / verify forwards = 1 + mean drafts accepted per round "
                  "(the prefill and its first token counted in neither); predicted_tau = 1 + sum_k prod_{i<=k} "
-                 "cond_acc_i over the chain's positions, from the training's held-out split; replayed_tau: the same "
+                 "cond_acc_i over the chain's positions, from simulated_from (predicted_tau_all_tokens: from every "
+                 "assistant token of the training's held-out split); replayed_tau: the same "
                  "drafter and prompts replayed from full forwards of the target's greedy decode (no cache). "
                  "sglang_accept_length is SGLang's completion_tokens / spec_verify_ct (the prefill's token counted)."),
         "wall_s": time.time() - started, "device": measured["device"], "dtype": measured["dtype"],

@@ -64,13 +64,38 @@ def wilson_upper(successes: int, trials: int, z: float = Z_99) -> float:
     return min(1.0, (centre + spread) / (1 + z * z / trials))
 
 
-def predicted_rates(training: dict) -> tuple[list[float] | None, str | None]:
-    """The training's conditional acceptance per position: its held-out eval split's, else its last batch's."""
-    for key, where in (("eval", "the training's held-out split"), ("last", "the training's last batch")):
-        rates = (training.get(key) or {}).get("cond_acc_k")
-        if isinstance(rates, list) and rates and all(isinstance(r, (int, float)) for r in rates):
-            return [float(r) for r in rates], where
+def _rates(record) -> list[float] | None:
+    rates = record.get("cond_acc_k") if isinstance(record, dict) else None
+    if isinstance(rates, list) and rates and all(isinstance(r, (int, float)) for r in rates):
+        return [float(r) for r in rates]
+    return None
+
+
+def prediction_record(training: dict, max_new_tokens: int | None = None) -> tuple[dict | None, str | None]:
+    """The training's record to predict from, the most like the measurement first, and where it comes from.
+
+    First the held-out split scored over the tokens that serving first answers of ``max_new_tokens``
+    drafts (``eval.opening``, when the training scored it for that many tokens over at least
+    MIN_ROUNDS rows): the evaluation decodes exactly such answers. Else the whole held-out split
+    (every assistant token: later turns and the tails of long answers too), else the last batch.
+    """
+    held_out = training.get("eval") or {}
+    opening = held_out.get("opening")
+    if isinstance(opening, dict) and max_new_tokens is not None and opening.get("tokens") == max_new_tokens \
+            and int(opening.get("rows") or 0) >= MIN_ROUNDS and _rates(opening):
+        return opening, (f"the training's held-out split, over what serving first answers of {max_new_tokens} "
+                         "tokens drafts")
+    for record, where in ((held_out, "the training's held-out split"),
+                          (training.get("last"), "the training's last batch")):
+        if _rates(record):
+            return record, where
     return None, None
+
+
+def predicted_rates(training: dict, max_new_tokens: int | None = None) -> tuple[list[float] | None, str | None]:
+    """The conditional acceptance per position of ``prediction_record``, and where it comes from."""
+    record, source = prediction_record(training, max_new_tokens)
+    return (_rates(record) if record else None), source
 
 
 def predicted_tau(rates: list[float] | None, draft_tokens: int) -> float | None:

@@ -394,10 +394,19 @@ def training_section(inputs: ReportInputs, page: Page) -> Html:
         rows += [("held-out evaluation", f"step {last_eval['step']} ({number(last_eval.get('samples'))} samples): "
                                          f"loss {number(last_eval.get('loss'))}, simulated acceptance length "
                                          f"{number(last_eval.get('acceptance_length'))}")]
+        opening = last_eval.get("opening")
+        if isinstance(opening, dict):
+            rows += [("held-out, served first answers",
+                      f"what serving first answers of {number(opening.get('tokens'), 0)} tokens drafts "
+                      f"({number(opening.get('rows'), 0)} tokens): simulated acceptance length "
+                      f"{number(opening.get('acceptance_length'))}")]
     if training.metrics.skipped_lines:
         rows.append(("metrics lines skipped", f"{training.metrics.skipped_lines} (torn or not a record)"))
     parts: list[object] = [table(None, rows), tag("h3", "Accuracy per draft position")]
-    sources = [(label, r) for label, r in (("held-out", last_eval), ("train", last_train)) if r]
+    opening = last_eval.get("opening") if last_eval else None
+    opening = {**opening, "step": last_eval["step"]} if isinstance(opening, dict) else None
+    sources = [(label, r) for label, r in (("held-out", last_eval), ("held-out, served first answers", opening),
+                                           ("train", last_train)) if r]
     positions = max((len(r.get("acc_k") or []) for _, r in sources), default=0)
     headers = ["position k"]
     for label, r in sources:

@@ -63,6 +63,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--batch-tokens", type=_positive_int, help="tokens per packed batch per process (default: by the drafter's "
         "width: 2048 at 4096 and wider, 8192 at 2048, 32768 at 1024 and narrower, where small steps waste the GPU)")
     add("--eval-ratio", type=float, default=0.0, help="share of samples held out for evaluation")
+    add("--eval-opening-tokens", type=int, default=128,
+        help="also score the held-out split over the tokens serving a first answer of this many tokens drafts "
+        "(answer tokens 2..N of each sample's first assistant turn): what the evaluation at max_new_tokens N "
+        "should measure (0: not computed)")
     add("--seed", type=int, default=0)
     add("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end only)")
     add("--device", default="auto", help="auto, cpu, cuda or cuda:N")

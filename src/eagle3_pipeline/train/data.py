@@ -228,6 +228,36 @@ class PackedBatch:
         return replace(self, **moved, sample_ids=list(self.sample_ids)).dequantized()
 
 
+def opening_mask(loss_mask: torch.Tensor, doc_ids: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The loss-masked tokens that serving a first answer of ``tokens`` tokens drafts: per packed
+    sample, tokens 2 to ``tokens`` of its first run of loss-masked tokens (its first assistant turn).
+
+    ``loss_mask`` [N] bool and ``doc_ids`` [N] as in ``PackedBatch`` (a sample's tokens contiguous).
+    The evaluation decodes the answer to a conversation's first user turn, ``max_new_tokens`` at
+    most, and drafts every token of it but the first (the prefill's); the training's held-out
+    accuracy over these tokens is what that measurement should find, while its accuracy over
+    every loss token also counts later turns and the tails of long answers.
+    """
+    mask = loss_mask.bool()
+    new_doc = torch.ones_like(mask)
+    new_doc[1:] = doc_ids[1:] != doc_ids[:-1]
+    previous = torch.zeros_like(mask)
+    previous[1:] = mask[:-1]
+    starts = (mask & (new_doc | ~previous)).long()  # the first token of each run of loss tokens
+    # Runs begun so far in this sample: the running count minus the count before the sample's first token.
+    running = starts.cumsum(0)
+    doc_start = torch.nonzero(new_doc).squeeze(1)
+    before = (running - starts)[doc_start]
+    lengths = torch.diff(torch.cat([doc_start, torch.tensor([mask.numel()], device=mask.device)]))
+    runs = running - torch.repeat_interleave(before, lengths)
+    first = mask & (runs == 1)
+    # Index of each token within the (contiguous) first run.
+    seen = first.long().cumsum(0)
+    seen_before = torch.repeat_interleave((seen - first.long())[doc_start], lengths)
+    place = seen - seen_before  # 1 for the answer's first token
+    return first & (place >= 2) & (place <= tokens)
+
+
 def _read_sample(data: TrainData, sample: Sample) -> dict[str, torch.Tensor]:
     """A sample's tensors as stored (float8 ones with their scales), checked against the manifest."""
     try:

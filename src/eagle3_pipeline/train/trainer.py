@@ -44,7 +44,7 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -65,7 +65,17 @@ from eagle3_pipeline.extract.verify import load_lm_head
 from eagle3_pipeline.models.config import read_text_config
 from eagle3_pipeline.train import export
 from eagle3_pipeline.train.command import STOP_FILE_ENV
-from eagle3_pipeline.train.data import DataError, DataState, TrainData, batches, load_batch, open_dataset, pack, shard
+from eagle3_pipeline.train.data import (
+    DataError,
+    DataState,
+    TrainData,
+    batches,
+    load_batch,
+    open_dataset,
+    opening_mask,
+    pack,
+    shard,
+)
 from eagle3_pipeline.train.model import DrafterConfig, Eagle3Drafter, TTTMetrics
 from eagle3_pipeline.train.step import PARALLEL_MODES, StepRunner, all_reduce, distributed
 from eagle3_pipeline.train.vocab import VocabError, build_draft_vocab, load_token_counts, resolve_draft_vocab_size
@@ -114,6 +124,9 @@ class TrainConfig:
     grad_clip: float = 0.5  # 0: no clipping
     batch_tokens: int | None = None  # None: auto_batch_tokens(the drafter's hidden size)
     eval_ratio: float = 0.0
+    # The held-out metrics again over the tokens serving a first answer of this many tokens drafts
+    # (data.opening_mask): the evaluation's prediction when its max_new_tokens is this; 0: not computed.
+    eval_opening_tokens: int = 128
     seed: int = 0
     checkpoint_every: int = 0  # 0: only at the end
     device: str = "auto"  # auto: this process's GPU under torchrun / the first GPU when there is one, else cpu
@@ -137,7 +150,7 @@ class TrainConfig:
         positive = ["ttt_length", "epochs"] + [n for n in optional if getattr(self, n) is not None]
         for name in positive:
             _check_int(name, getattr(self, name), 1)
-        for name in ("warmup_steps", "seed", "checkpoint_every"):
+        for name in ("warmup_steps", "seed", "checkpoint_every", "eval_opening_tokens"):
             _check_int(name, getattr(self, name), 0)
         for name, low in (("lr", None), ("weight_decay", 0.0), ("grad_clip", 0.0)):
             value = getattr(self, name)
@@ -316,6 +329,10 @@ def _cut_metrics(path: Path, step: int) -> None:
 METRIC_COUNTS = ("hits", "rows", "chain_hits", "chain_rows")
 
 
+def _counts_on_cpu(metrics: TTTMetrics) -> TTTMetrics:
+    return TTTMetrics(*(getattr(metrics, name).cpu() for name in METRIC_COUNTS))
+
+
 def _sum_metrics(total: TTTMetrics | None, new: TTTMetrics) -> TTTMetrics:
     if total is None:
         return new
@@ -346,27 +363,45 @@ class _Run:
         model.eval()
         sums = torch.zeros(self.cfg.ttt_length, dtype=torch.float64)
         counts = torch.zeros(self.cfg.ttt_length, dtype=torch.float64)
-        metrics = None
+        metrics = opening = None
+        opening_tokens = self.cfg.eval_opening_tokens
         for index in range(rounds):
             spare = index >= len(mine)
             batch = load_batch(self.data, (mine or packed)[0 if spare else index], max_tokens=self.cfg.batch_tokens,
                                dequantize=False)  # float8 states: dequantized on the device (runner.forward)
             loss, batch_metrics = self.runner.forward(batch, training=False)
+            if opening_tokens:
+                # The same forward scored over the first answers' served tokens only: the drafter's inputs
+                # do not depend on the loss mask, only which rows are counted does.
+                _, opening_metrics = self.runner.forward(
+                    replace(batch, loss_mask=opening_mask(batch.loss_mask, batch.doc_ids, opening_tokens)),
+                    training=False)
             if spare:
                 continue
             sums += loss.step_losses.double().cpu()  # summed CE per step (denominator 1)
             counts += loss.step_counts.double().cpu()
-            metrics = _sum_metrics(metrics, TTTMetrics(*(getattr(batch_metrics, name).cpu() for name in METRIC_COUNTS)))
+            metrics = _sum_metrics(metrics, _counts_on_cpu(batch_metrics))
+            if opening_tokens:
+                opening = _sum_metrics(opening, _counts_on_cpu(opening_metrics))
         model.train()
+        device = self.runner.device
+        sums, counts = all_reduce(sums.to(device)).cpu(), all_reduce(counts.to(device)).cpu()
+        metrics = self._all_reduced(metrics)
+        parts = sums / counts.clamp(min=1)
+        weighted = sum(0.8**k * float(p) for k, p in enumerate(parts))
+        result = {"loss": weighted, **_metric_fields(parts, metrics), "samples": len(held)}
+        if opening_tokens:
+            opening = self._all_reduced(opening)
+            result["opening"] = {"tokens": opening_tokens, "acc_k": opening.acc, "cond_acc_k": opening.cond_acc,
+                                 "acceptance_length": opening.acceptance_length, "rows": int(opening.rows[0])}
+        return result
+
+    def _all_reduced(self, metrics: TTTMetrics | None) -> TTTMetrics:
+        """The counts summed over the processes (zeros where this one had none)."""
         if metrics is None:
             metrics = TTTMetrics(*(torch.zeros(self.cfg.ttt_length, dtype=torch.int64) for _ in range(4)))
         device = self.runner.device
-        sums, counts = all_reduce(sums.to(device)).cpu(), all_reduce(counts.to(device)).cpu()
-        totals = [all_reduce(getattr(metrics, name).to(device)).cpu() for name in METRIC_COUNTS]
-        metrics = TTTMetrics(*totals)
-        parts = sums / counts.clamp(min=1)
-        weighted = sum(0.8**k * float(p) for k, p in enumerate(parts))
-        return {"loss": weighted, **_metric_fields(parts, metrics), "samples": len(held)}
+        return TTTMetrics(*(all_reduce(getattr(metrics, name).to(device)).cpu() for name in METRIC_COUNTS))
 
 
 class StopRequested(Exception):
