@@ -305,7 +305,7 @@ def test_a_killed_job_fails_the_play_at_once_and_a_rerun_resumes_from_its_checkp
     )
 
 
-def _pause_the_job_when(task_prefix: str, action: str, state_dir: Path, paused: list[int]):
+def _pause_the_job_when(task_prefix: str, state_dir: Path, paused: list[int]):
     """An ansible-runner event handler: SIGSTOP the training job (by its state file) when the ok result of
     a task whose name starts with ``task_prefix`` arrives; the paused PIDs go into ``paused``."""
 
@@ -314,19 +314,20 @@ def _pause_the_job_when(task_prefix: str, action: str, state_dir: Path, paused: 
         if event.get("event") == "runner_on_ok" and data.get("task", "").startswith(task_prefix) and not paused:
             for record in state_dir.glob("*.json"):
                 pid = json.loads(record.read_text())["pid"]
-                os.kill(pid, getattr(signal, action))
+                os.kill(pid, signal.SIGSTOP)
                 paused.append(pid)
         return True
 
     return handler
 
 
-def _resume_when(task_action: str, paused: list[int]):
-    """An ansible-runner event handler: SIGCONT the paused PIDs when the ok result of ``task_action`` arrives."""
+def _resume_when(task_prefix: str, paused: list[int]):
+    """An ansible-runner event handler: SIGCONT the paused PIDs when the ok result of a task whose name starts
+    with ``task_prefix`` arrives."""
 
     def handler(event: dict) -> bool:
         data = event.get("event_data") or {}
-        if event.get("event") == "runner_on_ok" and data.get("task_action", "").endswith(task_action):
+        if event.get("event") == "runner_on_ok" and data.get("task", "").startswith(task_prefix):
             _resume(paused)
         return True
 
@@ -345,11 +346,12 @@ def test_a_rerun_while_the_training_runs_leaves_it_to_the_reset_and_waits_on_it(
     out = workdir / "drafter-run"
     unheld = workdir / "nvidia-unheld"
     unheld.write_bytes(b"")
-    # The training must still run when the rerun's reset looks for holders, however slowly this machine starts
-    # the rerun: the test holds the job (SIGSTOP, which the job never sees: no handler runs) from the moment the
-    # first run has started it until the rerun's reset has reported, then lets it go on (SIGCONT). So a short
-    # training (about 10 steps an epoch: 32 training samples in 256-token batches) outlasts the rerun's start
-    # as surely as a long one did (it was 200 steps, minutes of CPU, for that margin alone).
+    # The training must still run when the rerun's reset looks for holders and when its start task looks for
+    # the job, however slowly this machine runs the rerun: the test holds the job (SIGSTOP, which the job never
+    # sees: no handler runs) from the moment the first run has started it until the rerun's start task has
+    # reported (after the reset), then lets it go on (SIGCONT). So a short training (about 10 steps an epoch:
+    # 32 training samples in 256-token batches) outlasts the rerun's start as surely as a long one did (it was
+    # 200 steps, minutes of CPU on a busy machine, for that margin alone).
     steps = 12
     extravars = training_vars(data_dir, workdir, eagle_training_epochs=25, eagle_training_max_steps=steps,
                               eagle_training_checkpoint_every=100, gpu_reset_device_paths=[str(unheld)],
@@ -360,7 +362,7 @@ def test_a_rerun_while_the_training_runs_leaves_it_to_the_reset_and_waits_on_it(
     try:
         first = Run(run_project_playbook(
             tmp_path_factory.mktemp("runner"), PLAYBOOK, INVENTORY, extravars,
-            event_handler=_pause_the_job_when("Start the training, detached", "SIGSTOP", workdir / "jobs", paused)))
+            event_handler=_pause_the_job_when("Start the training, detached", workdir / "jobs", paused)))
     except BaseException:
         _resume(paused)
         raise
@@ -381,7 +383,7 @@ def test_a_rerun_while_the_training_runs_leaves_it_to_the_reset_and_waits_on_it(
             tmp_path_factory.mktemp("runner"), PLAYBOOK, INVENTORY,
             {**extravars, "eagle_training_timeout": 1200, "gpu_reset_device_paths": [str(log)],
              "gpu_reset_grace_s": 2},
-            event_handler=_resume_when("gpu_processes", paused)))
+            event_handler=_resume_when("Start the training, detached", paused)))
     finally:
         _resume(paused)
 
