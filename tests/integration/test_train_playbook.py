@@ -1,7 +1,8 @@
 """playbooks/train.yml through ansible-runner, on a real extraction of the embedded tiny model.
 
-The data is made once for the module as the pipeline makes it: a reference server on the tiny
-model (CPU), the demo conversations, ``eagle3-pipeline extract``. Each test then runs the
+The data is made as the pipeline makes it: a reference server on the tiny model (CPU), the demo
+conversations, ``eagle3-pipeline extract``; once, kept in .cache/test-data under a key of what it
+depends on, and shared with test_evaluate_playbook. Each test then runs the
 playbook (gpu_reset, then eagle_training) on localhost (inventory/local.yml, no GPU needed)
 with small settings, so that a training takes seconds; the training jobs run under the
 project's supervisor and are stopped when the test ends, whatever happened.
@@ -9,13 +10,17 @@ project's supervisor and are stopped when the test ends, whatever happened.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from urllib.request import urlopen
@@ -49,10 +54,41 @@ def tiny_model() -> Path:
     return build_tiny_model(ROOT / ".cache" / "models" / "tiny-llama")
 
 
+def extraction_key(tiny_model: Path) -> str:
+    """What the extraction below depends on: the tiny model's build stamp, this package's code, the settings."""
+    digest = hashlib.sha256(f"{NUM_SAMPLES} --aux-layers 0,1,2 --device cpu\n".encode())
+    digest.update((tiny_model / ".build.json").read_bytes())
+    package = ROOT / "src" / "eagle3_pipeline"
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 @pytest.fixture(scope="module")
 def data_dir(tiny_model, tmp_path_factory) -> Path:
-    """40 demo conversations extracted through a reference server on the tiny model (read-only for the tests)."""
-    work = tmp_path_factory.mktemp("extraction")
+    """40 demo conversations extracted through a reference server on the tiny model (read-only for the tests).
+
+    Made once and kept in .cache/test-data under a key of everything it depends on (extraction_key):
+    this module and test_evaluate_playbook (which runs in another worker) share it, and a later run of
+    the same code finds it; test processes that need it at once take turns (a lock).
+    """
+    cache = ROOT / ".cache" / "test-data"
+    cache.mkdir(parents=True, exist_ok=True)
+    done = cache / f"train-extraction-{extraction_key(tiny_model)}"
+    with open(cache / ".lock", "wb") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (done / "data").is_dir():
+            work = Path(tempfile.mkdtemp(prefix=f".{done.name}.building-", dir=cache))
+            try:
+                extract_demo_conversations(tiny_model, work)
+                os.replace(work, done)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+    return done / "data"
+
+
+def extract_demo_conversations(tiny_model: Path, work: Path) -> None:
+    """Serve the tiny model, extract NUM_SAMPLES demo conversations into ``work``/data, stop the server."""
     port = free_port()
     log = open(work / "server.log", "wb")  # noqa: SIM115 - closed with the process
     server = subprocess.Popen(
@@ -84,7 +120,6 @@ def data_dir(tiny_model, tmp_path_factory) -> Path:
     finally:
         os.killpg(server.pid, signal.SIGKILL)  # not reaped yet: the PID (its group) cannot be reused
         server.wait(timeout=30)
-    return work / "data"
 
 
 @pytest.fixture
@@ -270,20 +305,69 @@ def test_a_killed_job_fails_the_play_at_once_and_a_rerun_resumes_from_its_checkp
     )
 
 
+def _pause_the_job_when(task_prefix: str, state_dir: Path, paused: list[int]):
+    """An ansible-runner event handler: SIGSTOP the training job (by its state file) when the ok result of
+    a task whose name starts with ``task_prefix`` arrives; the paused PIDs go into ``paused``."""
+
+    def handler(event: dict) -> bool:
+        data = event.get("event_data") or {}
+        if event.get("event") == "runner_on_ok" and data.get("task", "").startswith(task_prefix) and not paused:
+            for record in state_dir.glob("*.json"):
+                pid = json.loads(record.read_text())["pid"]
+                os.kill(pid, signal.SIGSTOP)
+                paused.append(pid)
+        return True
+
+    return handler
+
+
+def _resume_when(task_prefix: str, paused: list[int]):
+    """An ansible-runner event handler: SIGCONT the paused PIDs when the ok result of a task whose name starts
+    with ``task_prefix`` arrives."""
+
+    def handler(event: dict) -> bool:
+        data = event.get("event_data") or {}
+        if event.get("event") == "runner_on_ok" and data.get("task", "").startswith(task_prefix):
+            _resume(paused)
+        return True
+
+    return handler
+
+
+def _resume(paused: list[int]) -> None:
+    while paused:
+        try:
+            os.kill(paused.pop(), signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
 def test_a_rerun_while_the_training_runs_leaves_it_to_the_reset_and_waits_on_it(data_dir, workdir, tmp_path_factory):
     out = workdir / "drafter-run"
     unheld = workdir / "nvidia-unheld"
     unheld.write_bytes(b"")
-    # About 10 steps an epoch (32 training samples in 256-token batches): 200 steps outlast the rerun's way to
-    # its reset (ansible-playbook's start, the reset's first tasks) many times over, even on a busy machine.
-    steps = 200
+    # The training must still run when the rerun's reset looks for holders and when its start task looks for
+    # the job, however slowly this machine runs the rerun: the test holds the job (SIGSTOP, which the job never
+    # sees: no handler runs) from the moment the first run has started it until the rerun's start task has
+    # reported (after the reset), then lets it go on (SIGCONT). So a short training (about 10 steps an epoch:
+    # 32 training samples in 256-token batches) outlasts the rerun's start as surely as a long one did (it was
+    # 200 steps, minutes of CPU on a busy machine, for that margin alone).
+    steps = 12
     extravars = training_vars(data_dir, workdir, eagle_training_epochs=25, eagle_training_max_steps=steps,
                               eagle_training_checkpoint_every=100, gpu_reset_device_paths=[str(unheld)],
                               eagle_training_timeout=1)  # fmt: skip
+    paused: list[int] = []
 
     # The first run gives up waiting at once; its training goes on, detached, as after a lost connection.
-    first = run_playbook(tmp_path_factory, extravars)
+    try:
+        first = Run(run_project_playbook(
+            tmp_path_factory.mktemp("runner"), PLAYBOOK, INVENTORY, extravars,
+            event_handler=_pause_the_job_when("Start the training, detached", workdir / "jobs", paused)))
+    except BaseException:
+        _resume(paused)
+        raise
 
+    assert paused, "the job was not held after its start"
     assert first.status == "failed", first.stdout
     (state_file,) = (workdir / "jobs").glob("*.json")
     job = json.loads(state_file.read_text())
@@ -294,8 +378,14 @@ def test_a_rerun_while_the_training_runs_leaves_it_to_the_reset_and_waits_on_it(
 
     # The rerun's reset looks for the holders of the job's log file (its stdout and stderr): the job and its
     # supervisor hold it, as a training holds /dev/nvidia*; with the default gpu_reset_match any holder goes.
-    rerun = run_playbook(tmp_path_factory, {**extravars, "eagle_training_timeout": 1200,
-                                            "gpu_reset_device_paths": [str(log)], "gpu_reset_grace_s": 2})  # fmt: skip
+    try:
+        rerun = Run(run_project_playbook(
+            tmp_path_factory.mktemp("runner"), PLAYBOOK, INVENTORY,
+            {**extravars, "eagle_training_timeout": 1200, "gpu_reset_device_paths": [str(log)],
+             "gpu_reset_grace_s": 2},
+            event_handler=_resume_when("Start the training, detached", paused)))
+    finally:
+        _resume(paused)
 
     assert rerun.status == "successful", rerun.stdout
     (stop,) = [e["event_data"]["res"] for e in rerun.events
