@@ -470,9 +470,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--work-dir", type=Path, help="the extraction's output goes here (default: a new dir in "
                                                       "/var/tmp); must not be tmpfs")
     parser.add_argument("--no-diagnostic", action="store_true", help="skip the logprobs-only rounds")
-    parser.add_argument("--float8-env", action="append", default=[], metavar="NAME=VALUE",
-                        help="also a float8 extract round with these environment variables (repeat), e.g. "
-                        "OMP_NUM_THREADS=1: does the quantization in the worker threads scale without torch's own?")
+    parser.add_argument("--float8-env", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
+                        help="also a float8 extract round with these environment variables; each use one more "
+                        "round, e.g. OMP_NUM_THREADS=1 (the quantization in 66 worker threads without torch's own "
+                        "thread teams) or GOMP_SPINCOUNT=1000 (idle OpenMP threads that do not spin)")
     parser.add_argument("--float8", action="store_true",
                         help="also an extract round storing float8_e4m3 (--storage-dtype) after each bf16 one: "
                         "the same requests, its tokens/s beside bf16's")
@@ -557,8 +558,10 @@ def main(argv: list[str] | None = None) -> int:
         send_round(url, warm, args.concurrency, "warm-fwd", capture_dir, logprobs=False)
         send_round(url, warm, args.concurrency, "warm-lp", capture_dir, logprobs=True)
         modes = (["forward"] + ([] if args.no_diagnostic else ["logprobs"]) + ["extract"]
-                 + (["extract-float8"] if args.float8 else []) + (["extract-float8-env"] if args.float8_env else []))
-        float8_env = dict(item.split("=", 1) for item in args.float8_env)
+                 + (["extract-float8"] if args.float8 else [])
+                 + [f"extract-float8-env{number}" for number in range(len(args.float8_env))])
+        float8_envs = {f"extract-float8-env{number}": dict(pair.split("=", 1) for pair in item.split(","))
+                       for number, item in enumerate(args.float8_env)}
         rows = []
         for number in range(1, args.rounds + 1):
             for mode in modes:
@@ -566,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
                     row = extract_round(url, dataset, work / "out", capture_dir, settings, requests,
                                         work / f"{mode}-{number}.log",
                                         "bfloat16" if mode == "extract" else "float8_e4m3",
-                                        float8_env if mode == "extract-float8-env" else None)
+                                        float8_envs.get(mode))
                 else:
                     row = send_round(url, requests, args.concurrency, f"{mode[:3]}{number}", capture_dir,
                                      logprobs=mode == "logprobs")
@@ -624,8 +627,8 @@ def summarize(info: dict, settings: dict, rows: list[dict]) -> dict:
         "float8_ratio": medians["extract-float8"] / medians["extract"] if "extract-float8" in medians else None,
         "float8_ratio_per_round": [round(r["extract-float8"] / r["extract"], 3) for r in by_round.values()
                                    if "extract-float8" in r],
-        "float8_env_ratio": medians["extract-float8-env"] / medians["extract"] if "extract-float8-env" in medians
-        else None,
+        "float8_env_ratios": {item: medians[f"extract-float8-env{number}"] / medians["extract"]
+                              for number, item in enumerate(settings["float8_env"])},
         "bytes": extract_rows[0]["bytes"],
         "float8_bytes": next((r["bytes"] for r in rows if r["mode"] == "extract-float8"), None),
         "near_ties": sum(r["near_ties"] for r in extract_rows),
@@ -669,9 +672,8 @@ def print_report(result: dict) -> None:
     if result["float8_ratio"] is not None:
         print(f"Ratio extract float8 / extract bfloat16 (medians; target >= 1, no slower): "
               f"{result['float8_ratio']:.3f}; per round: {', '.join(map(str, result['float8_ratio_per_round']))}")
-    if result["float8_env_ratio"] is not None:
-        print(f"Ratio extract float8 with {' '.join(s['float8_env'])} / extract bfloat16 (medians): "
-              f"{result['float8_env_ratio']:.3f}")
+    for item, ratio in result["float8_env_ratios"].items():
+        print(f"Ratio extract float8 with {item} / extract bfloat16 (medians): {ratio:.3f}")
     for b in filter(None, (result["bytes"], result["float8_bytes"])):
         print(f"Bytes per stored token, {b['dtype']}: exact {b['formula']} = {b['exact_per_token']}; tensor data "
               f"{b['data_per_token']:.2f}; sample files {b['sample_files_per_token']:.2f} "
