@@ -230,6 +230,9 @@ def test_check_mode_starts_nothing_then_a_run_trains_the_drafter_and_a_rerun_cha
     assert "steps: 6 of 6 (eagle_training_max_steps stopped a " in summary
     assert re.search(r"held-out \(step 6, \d+ samples\): loss [0-9.]+, acc per position [0-9.]+/[0-9.]+/[0-9.]+, "
                      r"acceptance length [0-9.]+", summary), summary
+    # The held-out first answers walked as serving drafts them, for each chain length up to the 3 TTT steps.
+    assert re.search(r"held-out first answers walked round by round as serving drafts them: tau [0-9.]+ at 1, "
+                     r"[0-9.]+ at 2, [0-9.]+ at 3 drafts per verify\n", summary), summary
     assert "training (step 6): loss " in summary
     assert f"charts: {out}/charts/" in summary
     before = snapshot(out, workdir / "jobs")

@@ -67,7 +67,8 @@ def metrics_lines(steps: int = 6, positions: int = 3) -> str:
                   "acc_k": [0.6, 0.5, 0.4][:positions], "cond_acc_k": [0.6, 0.5, 0.4][:positions],
                   "acceptance_length": 0.6 + 0.3 + 0.12, "samples": 5,
                   "opening": {"tokens": 128, "acc_k": [0.45, 0.35, 0.25][:positions],
-                              "cond_acc_k": [0.45, 0.55, 0.65][:positions], "acceptance_length": 0.8762, "rows": 345}})
+                              "cond_acc_k": [0.45, 0.55, 0.65][:positions], "acceptance_length": 0.8762, "rows": 345,
+                              "rounds": {"1": {"tau": 1.3712}, "10": {"tau": 1.7031}, "3": {"tau": 1.5521}}}})
     return "".join(json.dumps(line) + "\n" for line in lines) + '{"kind": "train", "step": 7, "lo'  # torn tail
 
 

@@ -300,7 +300,7 @@ def test_the_replay_from_full_forwards_counts_the_rounds_the_cached_decode_count
     try:
         reference = random_target.greedy_reference(prompts, budget, ignore_eos=ignore_eos)
         for drafter in (_drafter(draft_vocab=VOCAB, seed=2), _one_token_drafter(frequent)):
-            replayed = replay_chains(random_target, drafter, prompts, reference, chains, budget, ignore_eos)
+            replayed = replay_chains(random_target, drafter, prompts, reference, chains, budget).chains
             for chain in chains:
                 measured, exact = AcceptanceStats(chain), True
                 for prompt, result, want in zip(prompts, speculative_generate(
@@ -320,6 +320,56 @@ def test_the_replay_from_full_forwards_counts_the_rounds_the_cached_decode_count
         assert 0 < accepted[0] < replayed[chains[-1]].reached[0]
     finally:
         random_target.eos_token_ids = saved
+
+
+def test_the_trainings_walk_over_the_same_answers_counts_the_replays_rounds(tmp_path):
+    """The training's held-out scoring (``StepRunner.forward`` over a packed batch scored on ``opening_mask``,
+    walked by ``opening_answers`` and ``answer_rounds``) over the prompts' greedy answers, their states from full
+    forwards: the same rounds per chain as the replay of those answers, and the same per-token acc_k as the
+    replay's ``token_counts``; so a gap between the training's walk and serving is the data, nothing else."""
+    from dataclasses import replace
+
+    from eagle3_pipeline.evaluate.rounds import answer_rounds
+    from eagle3_pipeline.train.data import PackedBatch, opening_answers, opening_mask
+    from eagle3_pipeline.train.step import StepRunner
+
+    target = TargetModel.load(_random_llama(tmp_path), AUX, device="cpu", decode="transformers")
+    prompts, budget, chains, steps = _prompts(8, seed=6), 24, [1, 3, 5], 5
+    reference = target.greedy_reference(prompts, budget, ignore_eos=True)
+    frequent = max(set(reference[0][0]), key=lambda token: sum(ids.count(token) for ids, _ in reference))
+    parts = {"input_ids": [], "loss_mask": [], "aux_hidden": [], "last_hidden": [], "doc_ids": [], "position_ids": []}
+    for doc, (prompt, (output, _)) in enumerate(zip(prompts, reference)):
+        sequence = [*prompt, *output]
+        ids = torch.tensor([sequence])
+        with torch.inference_mode():
+            aux, last = target._forward(ids, torch.arange(len(sequence))[None], torch.ones_like(ids))  # noqa: SLF001
+        parts["input_ids"].append(ids[0])
+        parts["loss_mask"].append(torch.tensor([False] * len(prompt) + [True] * len(output)))
+        parts["aux_hidden"].append(aux[0].clone())
+        parts["last_hidden"].append(last[0].clone())
+        parts["doc_ids"].append(torch.full((len(sequence),), doc))
+        parts["position_ids"].append(torch.arange(len(sequence)))
+    batch = PackedBatch(**{name: torch.cat(values) for name, values in parts.items()})
+    served = opening_mask(batch.loss_mask, batch.doc_ids, budget)
+    # A random drafter (d2t offsets that are not zero, some answer tokens outside its vocabulary) and one that
+    # always proposes the answers' most frequent token (right in some rounds, wrong in others).
+    for drafter in (_drafter(draft_vocab=40, seed=4), _one_token_drafter(frequent)):
+        runner = StepRunner(drafter, target.runner.lm_head.weight.detach(), ttt_length=steps,
+                            device=torch.device("cpu"))
+        with torch.no_grad():
+            _, metrics = runner.forward(replace(batch, loss_mask=served), training=False)
+        answers = opening_answers(served, batch.doc_ids, metrics.leads[0])
+        assert [length for _, length in answers] == [len(output) for output, _ in reference]
+        replayed = replay_chains(target, drafter, prompts, reference, chains, budget)
+        for chain in chains:
+            walked = AcceptanceStats(chain)
+            for leads, length in answers:
+                rounds = answer_rounds(leads, length, chain, budget)
+                walked.add_answer(1 + sum(r.produced for r in rounds), rounds)
+            assert walked.as_dict() == replayed.chains[chain].as_dict()
+        assert metrics.cond_acc == pytest.approx(replayed.per_token()["cond_acc_k"], abs=0)
+        assert int(metrics.chain_rows[0]) == replayed.per_token()["rows"] == sum(len(o) - 1 for o, _ in reference)
+    assert 0 < replayed.chains[3].accepted[0] < replayed.chains[3].reached[0]
 
 
 def test_a_random_drafter_accepts_little(random_target):

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3_pipeline.evaluate.verdict import MIN_ROUNDS, judge, predicted_rates, predicted_tau, wilson_upper
+from eagle3_pipeline.evaluate.verdict import (
+    MIN_ROUNDS,
+    judge,
+    predict,
+    predicted_rates,
+    predicted_tau,
+    wilson_upper,
+)
 
 PREDICTED = [0.38, 0.34, 0.33, 0.32, 0.31, 0.30, 0.29]
 
@@ -78,6 +85,38 @@ def test_the_prediction_comes_from_served_first_answers_when_the_training_scored
     for other, asked in (({**opening, "tokens": 64}, 128), ({**opening, "rows": MIN_ROUNDS - 1}, 128), (opening, None)):
         assert predicted_rates({"eval": {"cond_acc_k": [0.5, 0.4], "opening": other}}, asked) == \
             ([0.5, 0.4], "the training's held-out split")
+
+
+def _walked(chain, tau, conditional, rounds=MIN_ROUNDS):
+    return {"tau": tau, "conditional_acceptance_per_position": conditional, "target_forwards": rounds}
+
+
+def test_the_prediction_is_the_walk_of_the_served_first_answers_when_the_training_walked_them():
+    """Walked round by round (what serving counts): that chain's tau and rates; the per-token figure beside it."""
+    opening = {"tokens": 128, "cond_acc_k": [0.45, 0.49, 0.56], "rows": 20000,
+               "rounds": {"3": _walked(3, 1.79, [0.37, 0.38, 0.46]), "1": _walked(1, 1.36, [0.36])}}
+    training = {"eval": {"cond_acc_k": [0.5, 0.52, 0.6], "opening": opening}}
+    walked = predict(training, 128, 3)
+    assert (walked.rates, walked.tau) == ([0.37, 0.38, 0.46], 1.79) and "walked round by round" in walked.source
+    assert walked.per_token_tau == pytest.approx(1 + 0.45 + 0.45 * 0.49 + 0.45 * 0.49 * 0.56)
+    assert predict(training, 128, 1).rates == [0.36]
+    # No walk for that chain, a walk of too few rounds, or another length: the per-token rates.
+    for chain, other, asked in ((2, opening, 128),
+                                (3, {**opening, "rounds": {"3": _walked(3, 1.8, [0.4] * 3, MIN_ROUNDS - 1)}}, 128),
+                                (3, opening, 64)):
+        fallback = predict({"eval": {**training["eval"], "opening": other}}, asked, chain)
+        assert "walked" not in fallback.source and fallback.tau == fallback.per_token_tau
+        assert fallback.rates == (opening["cond_acc_k"] if asked == 128 else training["eval"]["cond_acc_k"])[:chain]
+    assert predict({}, 128, 3) == predict({}, None, 3) and predict({}, 128, 3).tau is None
+
+
+def test_each_chain_is_judged_against_its_own_prediction():
+    runs = [_run(3, [370, 140, 60], [1000, 370, 140]), _run(7, [360, 130, 55, 20, 10, 5, 3],
+                                                             [1000, 360, 130, 55, 20, 10, 5])]
+    verdict = judge(runs, {3: [0.37, 0.38, 0.46], 7: [0.9] * 7}, "x", 0)
+    failed = {(p["draft_tokens"], p["position"]) for p in verdict["positions"] if not p["ok"]}
+    assert failed and all(chain == 7 for chain, _ in failed)
+    assert judge(runs, {3: [0.37, 0.38, 0.46], 7: None}, "x", 0)["passed"]
 
 
 def _replayed_run(draft_tokens, accepted, reached, replay_accepted, rounds=1000, predicted_tau=None):

@@ -183,7 +183,8 @@ def test_report_shows_every_section_with_figures_and_escapes_every_value(tmp_pat
     assert "12.00 kB (12,000 bytes)" in page and "top1_mismatch" in page and "150.0" in page
     assert "1.900" in page and "2.020" in page
     # The held-out split over what serving first answers drafts, beside the whole split.
-    assert "what serving first answers of 128 tokens drafts (345 tokens): simulated acceptance length 0.876" in page
+    assert ("what serving first answers of 128 tokens drafts (345 tokens): simulated acceptance length 0.876 (per "
+            "token); walked round by round as serving drafts them: tau 1.371 at 1, 1.552 at 3, 1.703 at 10") in page
     assert "acc_k (held-out, served first answers, step 6)" in page and "0.450" in page
     assert "--speculative-draft-model-path" in page and str(out / "drafter-run" / "drafter") in page
 

@@ -175,6 +175,16 @@ def test_the_held_out_split_is_scored_over_served_first_answers_too(data_dir, tm
     short = tr.train(config(data_dir, tmp_path / "b", draft_vocab_size=VOCAB, max_steps=4,
                             eval_opening_tokens=5))["eval"]
     assert short["opening"]["rows"] == 4 * len(lengths)
+    # Walked round by round for every chain length up to the TTT steps: every answer's tokens, the first one
+    # from the prefill and the rest from verify rounds (each round at least one).
+    walked = whole["opening"]["rounds"]
+    assert sorted(walked) == ["1", "2", "3"]
+    for chain, figures in walked.items():
+        assert (figures["requests"], figures["tokens_generated"], figures["tokens_from_verify"]) == (
+            len(lengths), sum(t - 3 for t in lengths), sum(t - 4 for t in lengths))
+        assert len(figures["conditional_acceptance_per_position"]) == int(chain)
+        assert len(lengths) <= figures["target_forwards"] <= figures["tokens_from_verify"]
+    assert all(figures["tokens_generated"] == 5 * len(lengths) for figures in short["opening"]["rounds"].values())
     # The same weights (same seed and steps): the whole split's figures do not depend on the opening's.
     assert short["acc_k"] == whole["acc_k"] and short["loss"] == whole["loss"]
     assert "opening" not in tr.train(config(data_dir, tmp_path / "c", max_steps=4, eval_opening_tokens=0))["eval"]

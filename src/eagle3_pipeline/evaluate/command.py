@@ -54,8 +54,9 @@ RESULT_FORMAT = "eagle3-pipeline/evaluation"
 HELDOUT_RULE = 2
 # What the verdict weighs; raised when that changes, so that a result judged without it is measured again.
 # 2: the replay from full forwards (``speculative.replay_chains``) beside every measured chain; 3: the prediction
-# from the held-out split scored over what serving first answers of max_new_tokens drafts (``eval.opening``).
-VERDICT_RULE = 3
+# from the held-out split scored over what serving first answers of max_new_tokens drafts (``eval.opening``);
+# 4: that prediction walked round by round as serving goes (``eval.opening.rounds``), not per token.
+VERDICT_RULE = 4
 ENGINES = ("reference", "sglang")
 # SGLang's default chain for EAGLE3 drafters (3 steps, topk 1, 4 verified tokens, see
 # serve/sglang_command.py DEFAULT_SPECULATIVE_STEPS) and the longer chain peers publish (SpecForge's
@@ -297,40 +298,46 @@ def check_outputs(target, prompt_ids: list[list[int]], names: list[str], outputs
 
 
 def judge_runs(measured_runs: list[dict], training: dict, check: dict, min_ratio: float,
-               replay: dict | None = None, max_new_tokens: int | None = None) -> tuple[list[dict], dict]:
-    """Each chain's figures for evaluation.json beside the training's prediction and the replay's (``replay``:
-    chain length -> ``AcceptanceStats`` of ``replay_chains``), and the verdict over all. ``max_new_tokens``: the
-    decode's, so that the prediction comes from the training's score over answers of that length when it has one
-    (``verdict.predicted_rates``); ``predicted_tau_all_tokens`` keeps the whole held-out split's beside it."""
-    from eagle3_pipeline.evaluate.verdict import judge, predicted_rates, predicted_tau  # noqa: PLC0415
+               replay=None, max_new_tokens: int | None = None) -> tuple[list[dict], dict]:
+    """Each chain's figures for evaluation.json beside the training's prediction and the replay's (``replay``: a
+    ``speculative.Replay``), and the verdict over all. ``max_new_tokens``: the decode's, so that the prediction
+    comes from the training's score over answers of that length when it has one (``verdict.predict``: walked
+    round by round when the training did); ``predicted_tau_per_token`` is the same tokens scored per token and
+    ``predicted_tau_all_tokens`` the whole held-out split's, beside it."""
+    from eagle3_pipeline.evaluate.verdict import judge, predict, predicted_rates, predicted_tau  # noqa: PLC0415
 
-    rates, source = predicted_rates(training, max_new_tokens)
     every_token, _ = predicted_rates(training)  # without max_new_tokens: never the opening score
-    runs = []
+    per_token = replay.per_token() if replay is not None else None
+    runs, rates, source = [], {}, None
     for run in measured_runs:
         stats = run["stats"]
         chain = stats.draft_tokens
-        replayed = (replay or {}).get(chain)
+        prediction = predict(training, max_new_tokens, chain)
+        rates[chain] = prediction.rates
+        source = source or prediction.source
+        replayed = replay.chains.get(chain) if replay is not None else None
         runs.append({"draft_tokens": chain, **stats.as_dict(), "accepted": list(stats.accepted),
-                     "reached": list(stats.reached), "predicted_tau": predicted_tau(rates, chain),
+                     "reached": list(stats.reached), "predicted_tau": prediction.tau,
+                     "predicted_tau_per_token": prediction.per_token_tau,
                      "predicted_tau_all_tokens": predicted_tau(every_token, chain),
-                     "predicted_conditional_acceptance": rates[:chain] if rates else None,
-                     "replayed": None if replayed is None else {**replayed.as_dict(),
-                                                                "accepted": list(replayed.accepted),
-                                                                "reached": list(replayed.reached)},
+                     "predicted_conditional_acceptance": prediction.rates,
+                     "replayed": None if replayed is None else {
+                         **replayed.as_dict(), "accepted": list(replayed.accepted), "reached": list(replayed.reached),
+                         "per_token_conditional_acceptance": per_token["cond_acc_k"][:chain],
+                         "per_token_tau": predicted_tau(per_token["cond_acc_k"], chain)},
                      "decode_s": run["decode_s"], "batches": run["batches"], "tokens_per_s": run["tokens_per_s"]})
     return runs, judge(runs, rates, source, check["faults"], min_ratio)
 
 
 def replay(target, drafter, prompt_ids: list[list[int]], reference, chains: list[int], max_new_tokens: int,
-           ignore_eos: bool = False, say=_say) -> dict:
-    """``replay_chains`` of the prompts' full-forward greedy decode, timed and said."""
+           say=_say):
+    """``replay_chains`` of the prompts' full-forward greedy decode, timed and said (a ``speculative.Replay``)."""
     from eagle3_pipeline.evaluate.speculative import replay_chains  # noqa: PLC0415
 
     began = time.perf_counter()
-    replayed = replay_chains(target, drafter, prompt_ids, reference, chains, max_new_tokens, ignore_eos)
+    replayed = replay_chains(target, drafter, prompt_ids, reference, chains, max_new_tokens)
     say(f"replayed from full forwards in {time.perf_counter() - began:.1f} s: " + ", ".join(
-        f"tau {stats.tau:.3f} at {chain}" for chain, stats in replayed.items()))
+        f"tau {stats.tau:.3f} at {chain}" for chain, stats in replayed.chains.items()))
     return replayed
 
 
@@ -354,8 +361,7 @@ def run_reference(args, prompts, aux_layers: list[int], target_path: str) -> dic
         reference = target.greedy_reference(prompt_ids, args.max_new_tokens, args.ignore_eos, args.batch_tokens)
         check = check_outputs(target, prompt_ids, [p.sample_id for p in prompts], outputs, args.max_new_tokens,
                               args.batch_tokens, args.ignore_eos, reference, time.perf_counter() - began)
-        replayed = replay(target, drafter, prompt_ids, reference, args.draft_tokens, args.max_new_tokens,
-                          args.ignore_eos)
+        replayed = replay(target, drafter, prompt_ids, reference, args.draft_tokens, args.max_new_tokens)
     return {"runs": runs, "check": check, "replay": replayed, "device": str(target.device),
             "dtype": target.dtype_name, "decode": target.runner.decode_path}
 
@@ -500,10 +506,13 @@ def _run(args: argparse.Namespace) -> int:
         "simulated_tau": primary["predicted_tau"],
         "replayed_tau": (primary.get("replayed") or {}).get("tau"), "diagnosis": verdict["diagnosis"],
         "note": ("tau = tokens produced by verify forwards / verify forwards = 1 + mean drafts accepted per round "
-                 "(the prefill and its first token counted in neither); predicted_tau = 1 + sum_k prod_{i<=k} "
-                 "cond_acc_i over the chain's positions, from simulated_from (predicted_tau_all_tokens: from every "
-                 "assistant token of the training's held-out split); replayed_tau: the same "
-                 "drafter and prompts replayed from full forwards of the target's greedy decode (no cache). "
+                 "(the prefill and its first token counted in neither); predicted_tau: from simulated_from, the "
+                 "rounds the training's held-out first answers go through when it walked them (else, and "
+                 "predicted_tau_per_token: 1 + sum_k prod_{i<=k} cond_acc_i per token, which counts easy stretches "
+                 "by their tokens rather than their rounds and so predicts more); predicted_tau_all_tokens: per token "
+                 "over every assistant token of the training's held-out split; replayed_tau: the same "
+                 "drafter and prompts replayed from full forwards of the target's greedy decode (no cache), and "
+                 "replayed.per_token_tau the replay's tokens scored per token. "
                  "sglang_accept_length is SGLang's completion_tokens / spec_verify_ct (the prefill's token counted)."),
         "wall_s": time.time() - started, "device": measured["device"], "dtype": measured["dtype"],
         "decode": measured.get("decode"),

@@ -59,6 +59,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from eagle3_pipeline.evaluate.rounds import AcceptanceStats, Round, answer_rounds, token_counts
 from eagle3_pipeline.train.export import DrafterShape, load_export
 from eagle3_pipeline.train.model import DrafterConfig, Eagle3Drafter, rope_cos_sin
 
@@ -523,15 +524,6 @@ def compare_with_reference(ours: SpeculativeOutput, reference: tuple[list[int], 
 
 # -- the decoding loop --------------------------------------------------------------------------
 @dataclass
-class Round:
-    """One verify forward: drafts proposed, drafts accepted, tokens it added to the output."""
-
-    drafted: int
-    accepted: int
-    produced: int
-
-
-@dataclass
 class SpeculativeOutput:
     """One request's speculative decode: its tokens, its rounds, and the target's top-2 at each token."""
 
@@ -616,128 +608,61 @@ def speculative_generate(target: TargetModel, proposer, prompts: list[list[int]]
 
 
 @dataclass
-class AcceptanceStats:
-    """Acceptance summed over requests and rounds.
+class Replay:
+    """``replay_chains``'s result: the rounds per chain length, and the drafter's per-token score over the same
+    tokens (``rounds.token_counts``: every output token as a round's start, the training's conditional acc_k)."""
 
-    Per draft position j (0-based): ``reached[j]`` rounds drafted j with all earlier drafts
-    accepted, ``accepted[j]`` rounds accepted draft j.
-    """
+    chains: dict[int, AcceptanceStats]
+    token_hits: list[int]
+    token_tried: list[int]
 
-    draft_tokens: int
-    rounds: int = 0
-    produced: int = 0  # tokens from verify forwards
-    completion_tokens: int = 0  # every output token, the prefill's first one included
-    requests: int = 0
-    reached: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
-
-    def __post_init__(self):
-        self.reached = self.reached or [0] * self.draft_tokens
-        self.accepted = self.accepted or [0] * self.draft_tokens
-
-    def add_round(self, drafted: int, accepted: int, produced: int) -> None:
-        """Count one verify forward."""
-        self.rounds += 1
-        self.produced += produced
-        for position in range(min(accepted + 1, drafted)):
-            self.reached[position] += 1
-        for position in range(accepted):
-            self.accepted[position] += 1
-
-    def add(self, result: SpeculativeOutput) -> None:
-        """Count one request."""
-        self.requests += 1
-        self.completion_tokens += len(result.output_ids)
-        for one in result.rounds:
-            self.add_round(one.drafted, one.accepted, one.produced)
-
-    @property
-    def tau(self) -> float:
-        """Tokens produced per verify forward (1 + mean drafts accepted when no round is cut by an end token)."""
-        return self.produced / self.rounds if self.rounds else 0.0
-
-    @property
-    def sglang_accept_length(self) -> float:
-        """SGLang's spec_accept_length over all requests: completion tokens / verify forwards."""
-        return self.completion_tokens / self.rounds if self.rounds else 0.0
-
-    @property
-    def mean_accepted(self) -> float:
-        """Drafts accepted per verify forward."""
-        return sum(self.accepted) / self.rounds if self.rounds else 0.0
-
-    @property
-    def accepted_per_position(self) -> list[float]:
-        """Share of rounds whose draft j was accepted (they sum to the mean accepted per round)."""
-        return [a / self.rounds if self.rounds else 0.0 for a in self.accepted]
-
-    @property
-    def conditional_acceptance(self) -> list[float]:
-        """Draft j accepted among rounds that reached it (every earlier draft accepted): the measured
-        counterpart of training's conditional acc_k."""
-        return [a / r if r else 0.0 for a, r in zip(self.accepted, self.reached)]
-
-    def as_dict(self) -> dict:
-        """The figures for evaluation.json."""
-        return {
-            "tau": self.tau, "sglang_accept_length": self.sglang_accept_length, "mean_accepted": self.mean_accepted,
-            "accepted_per_position": self.accepted_per_position,
-            "conditional_acceptance_per_position": self.conditional_acceptance,
-            "target_forwards": self.rounds, "tokens_from_verify": self.produced,
-            "tokens_generated": self.completion_tokens, "requests": self.requests,
-        }  # fmt: skip
+    def per_token(self) -> dict:
+        """The per-token score for evaluation.json: conditional acc_k and the rows it counts."""
+        return {"cond_acc_k": [h / t if t else 0.0 for h, t in zip(self.token_hits, self.token_tried)],
+                "rows": self.token_tried[0] if self.token_tried else 0}
 
 
 @torch.inference_mode()
 def replay_chains(target: TargetModel, drafter: Eagle3Drafter, prompts: list[list[int]],
-                  reference: list[tuple[list[int], list[Top2]]], chains: list[int], max_new_tokens: int,
-                  ignore_eos: bool = False) -> dict[int, AcceptanceStats]:
+                  reference: list[tuple[list[int], list[Top2]]], chains: list[int], max_new_tokens: int) -> Replay:
     """The rounds greedy chain speculative decoding of ``prompts`` yields when every state comes from full
-    forwards (the module docstring's replay), counted per chain length as ``speculative_generate``'s are.
+    forwards (the module docstring's replay), counted per chain length as ``speculative_generate``'s are, and
+    the drafter's per-token score over the same output tokens.
 
     ``reference``: the target's greedy decode of each prompt by full forwards (``greedy_reference``), with the
-    same ``max_new_tokens`` and ``ignore_eos``. A round that reaches the end token counts the drafts up to it
-    (the cached decode may also count drafts after it that the target happened to choose: a few rounds).
+    same ``max_new_tokens`` (it ends at the end token unless decoded with ``ignore_eos``). A round that reaches
+    the end token counts the drafts up to it (the cached decode may also count drafts after it that the target
+    happened to choose: a few rounds).
     """
-    stops = set() if ignore_eos else target.eos_token_ids
     device, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
     draft_to_target = drafter.d2t + torch.arange(drafter.d2t.numel(), device=drafter.d2t.device)
-    stats = {chain: AcceptanceStats(chain) for chain in chains}
-    for prompt, (output, _) in zip(prompts, reference):
+    steps_needed = max(chains)
+    result = Replay({chain: AcceptanceStats(chain) for chain in chains}, [0] * steps_needed, [0] * steps_needed)
+    for prompt, (decoded, _) in zip(prompts, reference):
+        output = decoded[:max_new_tokens]
         sequence = [*prompt, *output]
         aux = target.full_states(sequence).to(device=device, dtype=dtype)
         ids = torch.tensor([sequence], device=device)
-        steps = drafter.forward_ttt(ids, aux[None], ttt_length=max(chains))
+        steps = drafter.forward_ttt(ids, aux[None], ttt_length=steps_needed)
         predicted = [draft_to_target[logits[0].argmax(-1)].tolist() for logits in steps]  # [step][row]
+        leads = replay_leads(len(prompt), output, predicted)
         for chain in chains:
-            stats[chain].add(_replay(len(prompt), output, predicted, chain, max_new_tokens, stops))
-    return stats
-
-
-def _replay(length: int, output: list[int], predicted: list[list[int]], chain: int, max_new_tokens: int,
-            stops: set[int]) -> SpeculativeOutput:
-    """One request's rounds: the anchor row is the position before the last output token (its aux state paired
-    with that token); step k of that row proposes the token at anchor + 2 + k."""
-    result = SpeculativeOutput([output[0]], [])
-    active = not (output[0] in stops or max_new_tokens <= 1)
-    anchor = length - 1
-    while active:
-        count = min(chain, max_new_tokens - len(result.output_ids) - 1)
-        first = anchor + 2 - length  # index in ``output`` of the token the round's first draft proposes
-        accepted = 0
-        while (accepted < count and first + accepted < len(output)
-               and predicted[accepted][anchor] == output[first + accepted]):
-            accepted += 1
-        new = output[first: first + accepted + 1]
-        if not new:  # the reference ended without an end token (its budget): nothing more to verify
-            break
-        finished = False
-        for index, token in enumerate(new):
-            if token in stops:
-                new, finished = new[: index + 1], True
-                break
-        result.rounds.append(Round(drafted=count, accepted=accepted, produced=len(new)))
-        result.output_ids += new
-        active = not (finished or len(result.output_ids) >= max_new_tokens)
-        anchor += accepted + 1
+            rounds = answer_rounds(leads, len(output), chain, max_new_tokens)
+            result.chains[chain].add_answer(1 + sum(r.produced for r in rounds) if output else 0, rounds)
+        hits, tried = token_counts(leads, len(output), steps_needed)
+        result.token_hits = [a + b for a, b in zip(result.token_hits, hits)]
+        result.token_tried = [a + b for a, b in zip(result.token_tried, tried)]
     return result
+
+
+def replay_leads(length: int, output: list[int], predicted: list[list[int]]) -> list[int]:
+    """Per output token o_i (i = 1..len-1): drafts right in a row from o_i on (``rounds.answer_rounds``'s
+    ``leads``). ``length``: the prompt's. The round proposing o_i drafts from row ``length + i - 2`` (the aux
+    state there paired with o_{i-1}); step k of that row proposes o_{i+k}."""
+    leads = []
+    for i in range(1, len(output)):
+        anchor, lead = length + i - 2, 0
+        while lead < len(predicted) and i + lead < len(output) and predicted[lead][anchor] == output[i + lead]:
+            lead += 1
+        leads.append(lead)
+    return leads

@@ -21,6 +21,7 @@ unlike its training data (the verdict's ``diagnosis`` says which).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from eagle3_pipeline.train.model import acceptance_length
 
@@ -105,6 +106,39 @@ def predicted_tau(rates: list[float] | None, draft_tokens: int) -> float | None:
     return 1.0 + acceptance_length(rates[:draft_tokens])
 
 
+WALKED = "walked round by round"
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the training predicts for one chain length: conditional acceptance per draft position, tau, and
+    where it comes from."""
+
+    rates: list[float] | None
+    tau: float | None
+    source: str | None
+    per_token_tau: float | None = None  # the same tokens scored per token (1 + sum_k prod_{i<=k} cond_acc_i)
+
+
+def predict(training: dict, max_new_tokens: int | None, chain: int) -> Prediction:
+    """The training's prediction for chains of ``chain`` drafts, the most like the measurement first.
+
+    When the training walked its held-out first answers round by round for this chain (``eval.opening.rounds``,
+    ``train.trainer``: the rounds serving goes through, ``evaluate.rounds.answer_rounds``) over at least
+    MIN_ROUNDS rounds, that walk's conditional acceptance and tau: the same quantities the measurement counts,
+    with no inspection bias. Else ``prediction_record``'s per-token rates and 1 + sum_k prod_{i<=k} cond_acc_i.
+    """
+    record, source = prediction_record(training, max_new_tokens)
+    rates = _rates(record) if record else None
+    per_token = predicted_tau(rates, chain)
+    walked = ((record or {}).get("rounds") or {}).get(str(chain))  # only the opening score has rounds
+    if isinstance(walked, dict) and int(walked.get("target_forwards") or 0) >= MIN_ROUNDS \
+            and isinstance(walked.get("conditional_acceptance_per_position"), list):
+        return Prediction([float(r) for r in walked["conditional_acceptance_per_position"]], float(walked["tau"]),
+                          f"{source}, {WALKED}", per_token)
+    return Prediction(rates[:chain] if rates else None, per_token, source, per_token)
+
+
 def judge_replay(runs: list[dict]) -> tuple[list[dict], list[str]]:
     """Each run with a ``replayed`` record: its accepted drafts per verify against the replay's."""
     checks, problems = [], []
@@ -142,18 +176,22 @@ def diagnose(runs: list[dict], replay_checks: list[dict], source: str | None) ->
     return text + ": serving does what the drafter can do, as its training predicts"
 
 
-def judge(runs: list[dict], rates: list[float] | None, source: str | None, reference_faults: int,
-          min_ratio: float = DEFAULT_MIN_RATIO) -> dict:
+def judge(runs: list[dict], rates: list[float] | dict[int, list[float] | None] | None, source: str | None,
+          reference_faults: int, min_ratio: float = DEFAULT_MIN_RATIO) -> dict:
     """The verdict over every measured chain length.
 
     ``runs``: per chain length ``draft_tokens``, ``accepted`` and ``reached`` counts per position
     (``AcceptanceStats``), and ``replayed`` (``AcceptanceStats.as_dict`` of the replay) when one was made.
-    ``reference_faults``: outputs that differ from the full-forward decode other than by near-ties.
+    ``rates``: the predicted conditional acceptance per position, one list for every chain or per chain length
+    (``predict``). ``reference_faults``: outputs that differ from the full-forward decode other than by near-ties.
     """
     replay_checks, problems = judge_replay(runs)
     positions = []
     predicted_problem = False
+    by_chain = rates if isinstance(rates, dict) else None
     for run in runs:
+        if by_chain is not None:
+            rates = by_chain.get(run["draft_tokens"])
         for index, (accepted, reached) in enumerate(zip(run["accepted"], run["reached"])):
             if rates is None or index >= len(rates) or min_ratio <= 0:
                 continue

@@ -396,10 +396,15 @@ def training_section(inputs: ReportInputs, page: Page) -> Html:
                                          f"{number(last_eval.get('acceptance_length'))}")]
         opening = last_eval.get("opening")
         if isinstance(opening, dict):
+            walked = opening.get("rounds") if isinstance(opening.get("rounds"), dict) else {}
+            chains = sorted((int(chain), figures) for chain, figures in walked.items()
+                            if str(chain).isdigit() and isinstance(figures, dict))
+            walk = "; walked round by round as serving drafts them: tau " + ", ".join(
+                f"{number(figures.get('tau'))} at {chain}" for chain, figures in chains) if chains else ""
             rows += [("held-out, served first answers",
                       f"what serving first answers of {number(opening.get('tokens'), 0)} tokens drafts "
                       f"({number(opening.get('rows'), 0)} tokens): simulated acceptance length "
-                      f"{number(opening.get('acceptance_length'))}")]
+                      f"{number(opening.get('acceptance_length'))} (per token){walk}")]
     if training.metrics.skipped_lines:
         rows.append(("metrics lines skipped", f"{training.metrics.skipped_lines} (torn or not a record)"))
     parts: list[object] = [table(None, rows), tag("h3", "Accuracy per draft position")]

@@ -258,6 +258,24 @@ def opening_mask(loss_mask: torch.Tensor, doc_ids: torch.Tensor, tokens: int) ->
     return first & (place >= 2) & (place <= tokens)
 
 
+def opening_answers(opening: torch.Tensor, doc_ids: torch.Tensor, leads: torch.Tensor) -> list[tuple[list[int], int]]:
+    """Per packed sample with tokens in ``opening`` (``opening_mask``: o_1..o_{L-1} of its first answer):
+    (``leads`` of the rows whose round proposes each of them, L): the input of ``evaluate.rounds.answer_rounds``.
+
+    ``leads`` [N]: per row, drafts right in a row from its step 0 (``train.model.TTTMetrics.leads`` of a forward
+    scored over ``opening``). The round proposing the token at position s drafts from row s - 2 (its aux state
+    paired with the token at s - 1), which is in the same sample: a prompt precedes every answer.
+    """
+    positions = torch.nonzero(opening.bool()).squeeze(1).cpu()
+    if not positions.numel():
+        return []
+    docs = doc_ids.cpu()[positions]
+    rows = leads.cpu()[positions - 2].tolist()
+    cuts = (torch.nonzero(docs[1:] != docs[:-1]).squeeze(1) + 1).tolist()
+    bounds = [0, *cuts, len(rows)]
+    return [(rows[start:stop], stop - start + 1) for start, stop in zip(bounds, bounds[1:])]
+
+
 def _read_sample(data: TrainData, sample: Sample) -> dict[str, torch.Tensor]:
     """A sample's tensors as stored (float8 ones with their scales), checked against the manifest."""
     try:

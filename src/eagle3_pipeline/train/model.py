@@ -1101,6 +1101,9 @@ class TTTMetrics:
     rows: torch.Tensor  # [K] rows of the position mask
     chain_hits: torch.Tensor  # [K] valid rows right at steps 0..k
     chain_rows: torch.Tensor  # [K] valid rows right at steps 0..k-1
+    # [B, T] per row: steps right in a row from step 0 (valid ones): the drafts a round from that row accepts
+    # (``evaluate.rounds``); not a count, so never summed.
+    leads: torch.Tensor | None = None
 
     @property
     def acc(self) -> list[float]:
@@ -1128,7 +1131,7 @@ def ttt_metrics(step_logits: Sequence[torch.Tensor], teacher: TeacherTargets) ->
 def ttt_metrics_from_argmax(step_argmax: Sequence[torch.Tensor], teacher: TeacherTargets) -> TTTMetrics:
     """``ttt_metrics`` from the drafter's top-1 draft id [B, T] of each step (``fused_ttt_loss`` gives them)."""
     hits, rows, chain_hits, chain_rows = [], [], [], []
-    chain = None
+    chain = leads = None
     for step, top in enumerate(step_argmax):
         valid = teacher.valid(step)  # [B, T]
         right = (top == teacher.step_argmax(step)) & shift_left(teacher.in_draft, 1 + step, False)
@@ -1137,7 +1140,8 @@ def ttt_metrics_from_argmax(step_argmax: Sequence[torch.Tensor], teacher: Teache
         rows.append(trained.sum())
         tried = valid if chain is None else chain & valid
         chain = tried & right
+        leads = chain.long() if leads is None else leads + chain
         chain_hits.append(chain.sum())
         chain_rows.append(tried.sum())
     return TTTMetrics(hits=torch.stack(hits), rows=torch.stack(rows), chain_hits=torch.stack(chain_hits),
-                      chain_rows=torch.stack(chain_rows))
+                      chain_rows=torch.stack(chain_rows), leads=leads)

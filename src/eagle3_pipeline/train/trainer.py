@@ -61,6 +61,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from eagle3_pipeline.atomic import atomic_write_text
 from eagle3_pipeline.checksum import file_sha256
+from eagle3_pipeline.evaluate.rounds import AcceptanceStats, answer_rounds
 from eagle3_pipeline.extract.verify import load_lm_head
 from eagle3_pipeline.models.config import read_text_config
 from eagle3_pipeline.train import export
@@ -72,6 +73,7 @@ from eagle3_pipeline.train.data import (
     batches,
     load_batch,
     open_dataset,
+    opening_answers,
     opening_mask,
     pack,
     shard,
@@ -365,6 +367,8 @@ class _Run:
         counts = torch.zeros(self.cfg.ttt_length, dtype=torch.float64)
         metrics = opening = None
         opening_tokens = self.cfg.eval_opening_tokens
+        # The held-out first answers walked round by round, as serving drafts them, for every chain length.
+        walks = {chain: AcceptanceStats(chain) for chain in range(1, self.cfg.ttt_length + 1)}
         for index in range(rounds):
             spare = index >= len(mine)
             batch = load_batch(self.data, (mine or packed)[0 if spare else index], max_tokens=self.cfg.batch_tokens,
@@ -373,11 +377,15 @@ class _Run:
             if opening_tokens:
                 # The same forward scored over the first answers' served tokens only: the drafter's inputs
                 # do not depend on the loss mask, only which rows are counted does.
-                _, opening_metrics = self.runner.forward(
-                    replace(batch, loss_mask=opening_mask(batch.loss_mask, batch.doc_ids, opening_tokens)),
-                    training=False)
+                served = opening_mask(batch.loss_mask, batch.doc_ids, opening_tokens)
+                _, opening_metrics = self.runner.forward(replace(batch, loss_mask=served), training=False)
             if spare:
                 continue
+            if opening_tokens:
+                for leads, length in opening_answers(served, batch.doc_ids, opening_metrics.leads[0]):
+                    for chain, stats in walks.items():
+                        rounds = answer_rounds(leads, length, chain, opening_tokens)
+                        stats.add_answer(1 + sum(r.produced for r in rounds), rounds)
             sums += loss.step_losses.double().cpu()  # summed CE per step (denominator 1)
             counts += loss.step_counts.double().cpu()
             metrics = _sum_metrics(metrics, _counts_on_cpu(batch_metrics))
@@ -393,7 +401,18 @@ class _Run:
         if opening_tokens:
             opening = self._all_reduced(opening)
             result["opening"] = {"tokens": opening_tokens, "acc_k": opening.acc, "cond_acc_k": opening.cond_acc,
-                                 "acceptance_length": opening.acceptance_length, "rows": int(opening.rows[0])}
+                                 "acceptance_length": opening.acceptance_length, "rows": int(opening.rows[0]),
+                                 "rounds": self._walked(walks)}
+        return result
+
+    def _walked(self, walks: dict[int, AcceptanceStats]) -> dict[str, dict]:
+        """Each chain's rounds summed over the processes: {chain: ``AcceptanceStats.as_dict``}."""
+        flat = [stats.counts() for stats in walks.values()]
+        counts = all_reduce(torch.tensor([c for row in flat for c in row], dtype=torch.int64).to(self.runner.device))
+        counts, result = counts.cpu().tolist(), {}
+        for chain, row in zip(walks, flat):
+            result[str(chain)] = AcceptanceStats.from_counts(chain, counts[:len(row)]).as_dict()
+            counts = counts[len(row):]
         return result
 
     def _all_reduced(self, metrics: TTTMetrics | None) -> TTTMetrics:
