@@ -165,6 +165,9 @@ def test_two_processes_under_torchrun(data_dir, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     record = json.loads((out / tr.TRAINING_FILE).read_text())
     assert record["world"] == 2 and record["steps"] == 4 and record["eval"]["samples"] > 0
+    # The held-out first answers walked on both processes, summed: each held-out sample once.
+    walked = record["eval"]["opening"]["rounds"]
+    assert walked and all(figures["requests"] == record["eval"]["samples"] for figures in walked.values())
     assert (out / "drafter" / "model.safetensors").is_file()
     lines = [json.loads(line) for line in (out / tr.METRICS_FILE).read_text().splitlines()]
     assert [r["step"] for r in lines if r["kind"] == "train"] == [1, 2, 3, 4]
