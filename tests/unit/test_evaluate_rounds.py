@@ -18,7 +18,7 @@ def test_rounds_skip_the_tokens_accepted_as_drafts():
     # One round takes o_1..o_3 as drafts and o_4 from the verify; then a round per hard token.
     assert rounds == [Round(3, 3, 4), Round(3, 0, 1), Round(3, 0, 1), Round(3, 0, 1), Round(3, 0, 1)]
     stats = AcceptanceStats(3)
-    stats.add_answer(1 + sum(r.produced for r in rounds), rounds)
+    stats.add_walk(rounds)
     assert (stats.rounds, stats.produced, stats.completion_tokens) == (5, 8, LENGTH)
     assert stats.tau == pytest.approx(8 / 5)
     assert stats.conditional_acceptance == pytest.approx([1 / 5, 1.0, 1.0])

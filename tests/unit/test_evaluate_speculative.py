@@ -364,8 +364,7 @@ def test_the_trainings_walk_over_the_same_answers_counts_the_replays_rounds(tmp_
         for chain in chains:
             walked = AcceptanceStats(chain)
             for leads, length in answers:
-                rounds = answer_rounds(leads, length, chain, budget)
-                walked.add_answer(1 + sum(r.produced for r in rounds), rounds)
+                walked.add_walk(answer_rounds(leads, length, chain, budget))
             assert walked.as_dict() == replayed.chains[chain].as_dict()
         assert metrics.cond_acc == pytest.approx(replayed.per_token()["cond_acc_k"], abs=0)
         assert int(metrics.chain_rows[0]) == replayed.per_token()["rows"] == sum(len(o) - 1 for o, _ in reference)

@@ -70,6 +70,10 @@ class AcceptanceStats:
         for one in rounds:
             self.add_round(one.drafted, one.accepted, one.produced)
 
+    def add_walk(self, rounds: Sequence[Round]) -> None:
+        """Count one answer walked by ``answer_rounds``: the prefill's token and what its rounds produced."""
+        self.add_answer(1 + sum(one.produced for one in rounds), rounds)
+
     def add(self, result) -> None:
         """Count one request (a ``speculative.SpeculativeOutput``)."""
         self.add_answer(len(result.output_ids), result.rounds)

@@ -647,8 +647,7 @@ def replay_chains(target: TargetModel, drafter: Eagle3Drafter, prompts: list[lis
         predicted = [draft_to_target[logits[0].argmax(-1)].tolist() for logits in steps]  # [step][row]
         leads = replay_leads(len(prompt), output, predicted)
         for chain in chains:
-            rounds = answer_rounds(leads, len(output), chain, max_new_tokens)
-            result.chains[chain].add_answer(1 + sum(r.produced for r in rounds) if output else 0, rounds)
+            result.chains[chain].add_walk(answer_rounds(leads, len(output), chain, max_new_tokens))
         hits, tried = token_counts(leads, len(output), steps_needed)
         result.token_hits = [a + b for a, b in zip(result.token_hits, hits)]
         result.token_tried = [a + b for a, b in zip(result.token_tried, tried)]

@@ -384,8 +384,7 @@ class _Run:
             if opening_tokens:
                 for leads, length in opening_answers(served, batch.doc_ids, opening_metrics.leads[0]):
                     for chain, stats in walks.items():
-                        rounds = answer_rounds(leads, length, chain, opening_tokens)
-                        stats.add_answer(1 + sum(r.produced for r in rounds), rounds)
+                        stats.add_walk(answer_rounds(leads, length, chain, opening_tokens))
             sums += loss.step_losses.double().cpu()  # summed CE per step (denominator 1)
             counts += loss.step_counts.double().cpu()
             metrics = _sum_metrics(metrics, _counts_on_cpu(batch_metrics))
