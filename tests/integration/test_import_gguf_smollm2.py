@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 from runner_runs import run_project_playbook
-from smollm2 import smollm2_checkpoint, smollm2_gguf
+from smollm2 import smollm2_gguf
 
 from eagle3_pipeline.checksum import file_sha256
 from eagle3_pipeline.models.gguf_import import RECORD_NAME, missing_requirements
@@ -262,11 +262,3 @@ def test_the_reference_engine_starts_on_it(converted, loaded):
     finally:
         runner.capture_writer.shutdown(wait=True)
 
-
-def test_the_shared_helper_gives_the_cached_float32_conversion(story):
-    path = smollm2_checkpoint()  # built once per checkout (about 1.5 min), then found up to date
-    started = time.monotonic()
-    assert smollm2_checkpoint() == path
-    assert time.monotonic() - started < 30  # hashing the GGUF, no conversion
-    record = json.loads((path / RECORD_NAME).read_text())
-    assert record["gguf"]["sha256"] == file_sha256(story["gguf"]) and record["settings"] == {"dtype": "float32"}
