@@ -198,6 +198,28 @@ def test_a_changed_recipe_or_a_damaged_file_is_not_built(tmp_path):
     assert is_built(other, read_stamp(other)["recipe_sha256"])
 
 
+def test_a_build_under_other_library_versions_is_taken_only_when_asked(tmp_path):
+    out = build_tiny_model(tmp_path / "mini", recipe=MINI)
+    # The same recipe and corpus, as if built under another transformers release (its own stamp and hash).
+    stamp = read_stamp(out)
+    fingerprint = {key: value for key, value in stamp.items() if key not in ("recipe_sha256", "files", "metrics")}
+    fingerprint["versions"] = {**fingerprint["versions"], "transformers": "5.0.0"}
+    other_hash = tiny._hash(fingerprint)
+    (out / STAMP_NAME).write_text(json.dumps({**stamp, **fingerprint, "recipe_sha256": other_hash}))
+    weights = out / "model.safetensors"
+    mtime = weights.stat().st_mtime_ns
+
+    assert build_tiny_model(out, recipe=MINI, any_versions=True) == out
+    assert weights.stat().st_mtime_ns == mtime and read_stamp(out)["recipe_sha256"] == other_hash  # taken as it is
+    # Another recipe is not taken, whatever the versions.
+    with_seed = tiny.recipe_fingerprint(TinyRecipe(**{**MINI.__dict__, "seed": 1}), stamp["corpus_sha256"])
+    assert not is_built(out, "", fingerprint=with_seed)
+    # Without any_versions, the other versions' build is replaced by one under this machine's versions.
+    build_tiny_model(out, recipe=MINI)
+    assert weights.stat().st_mtime_ns != mtime
+    assert read_stamp(out)["versions"] == stamp["versions"] and is_built(out, stamp["recipe_sha256"])
+
+
 def test_an_interrupted_build_leaves_nothing_that_counts_as_built(tmp_path, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

@@ -159,10 +159,17 @@ def read_stamp(output_dir: Path) -> dict | None:
         return None
 
 
-def is_built(output_dir: Path, recipe_hash: str) -> bool:
-    """Whether ``output_dir`` holds a complete build of the recipe with this hash (files of the recorded sizes)."""
+def is_built(output_dir: Path, recipe_hash: str, fingerprint: dict | None = None) -> bool:
+    """Whether ``output_dir`` holds a complete build of the recipe with this hash (files of the recorded sizes).
+
+    ``fingerprint``: instead of the hash, a build whose stamp records this fingerprint but for its
+    library versions also counts (the same recipe and corpus, built under other releases).
+    """
     stamp = read_stamp(output_dir)
-    if not stamp or stamp.get("recipe_sha256") != recipe_hash:
+    if fingerprint is not None:
+        if not stamp or any(stamp.get(key) != value for key, value in fingerprint.items() if key != "versions"):
+            return False
+    elif not stamp or stamp.get("recipe_sha256") != recipe_hash:
         return False
     sizes = {name: record.get("size") for name, record in stamp.get("files", {}).items()}
     paths = [Path(output_dir) / name for name in MODEL_FILES]
@@ -437,11 +444,14 @@ def _build_lock():
         os.close(fd)  # releases the lock; so does the process's death
 
 
-def build_tiny_model(output_dir: Path, *, force: bool = False, recipe: TinyRecipe | None = None) -> Path:
+def build_tiny_model(output_dir: Path, *, force: bool = False, recipe: TinyRecipe | None = None,
+                     any_versions: bool = False) -> Path:
     """Build the tiny model into ``output_dir`` unless a build of the same recipe is there; return its path.
 
     ``force`` rebuilds anyway. An existing directory that is not a tiny-model build (no stamp)
-    and is not empty is refused rather than replaced.
+    and is not empty is refused rather than replaced. ``any_versions``: a build of the same recipe
+    and corpus made under other library versions is taken as it is, for a caller that only loads
+    the checkpoint (tests under another transformers release); without it, other versions rebuild.
     """
     output_dir = Path(output_dir).absolute()
     recipe = recipe or TinyRecipe()
@@ -449,6 +459,10 @@ def build_tiny_model(output_dir: Path, *, force: bool = False, recipe: TinyRecip
     fingerprint = recipe_fingerprint(recipe, corpus_fingerprint(files))
     if not force and is_built(output_dir, _hash(fingerprint)):
         _log(f"cached: {output_dir} matches the recipe")
+        return output_dir
+    if not force and any_versions and is_built(output_dir, "", fingerprint=fingerprint):
+        _log(f"cached: {output_dir} matches the recipe (built under other library versions: "
+             f"{read_stamp(output_dir)['versions']})")
         return output_dir
     with _build_lock():
         if not force and is_built(output_dir, _hash(fingerprint)):  # built by the build we waited for
