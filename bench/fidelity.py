@@ -301,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only-measure", action="store_true", help="measure the drafters already trained in --work")
     parser.add_argument("--part", choices=("1", "2", "all"), default="all",
                         help="1: the site run with regeneration only; 2: everything after it (a device call each)")
+    parser.add_argument("--part1-skip-tags", default="",
+                        help="tags part 1's site.yml skips (evaluate,report: its drafter is measured in part 2 anyway)")
     parser.add_argument("--fp32-prompts", type=int, default=32, help="held-out prompts of the float32 re-measurement")
     args = parser.parse_args(argv)
     args.work, args.gguf, args.sharegpt = args.work.resolve(), args.gguf.resolve(), args.sharegpt.resolve()
@@ -319,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
 
     regenerated = args.work / "regenerated"
     if args.part in ("1", "all"):
-        times["site.yml with regeneration"] = site(args.work, args, True, env)
+        times["site.yml with regeneration"] = site(args.work, args, True, env, args.part1_skip_tags)
         for stage in ("regeneration/regeneration.json", "regenerated/evaluation/evaluation.json"):
             if (args.work / stage).is_file():
                 results[stage] = json.loads((args.work / stage).read_text())
