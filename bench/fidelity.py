@@ -169,11 +169,12 @@ class Measurer:
         from eagle3_pipeline.extract.template import load_renderer  # noqa: PLC0415
         from eagle3_pipeline.train.data import open_dataset  # noqa: PLC0415
 
-        manifest = open_dataset(data_dir).manifest
+        data = open_dataset(data_dir)
+        manifest = data.manifest
         target_path = manifest["target_model_path"]
         renderer = load_renderer(Path(target_path), manifest.get("chat_template_file"))
         started = time.perf_counter()
-        selection = select_heldout_prompts(args.sharegpt, renderer, open_dataset(data_dir), prompts, prompts,
+        selection = select_heldout_prompts(args.sharegpt, renderer, data, prompts, prompts,
                                            args.max_new_tokens)
         say(f"{len(selection.prompts)} held-out prompts ({len(selection.excluded)} excluded: seen in training, "
             f"repeated or too long) in {time.perf_counter() - started:.1f} s")
