@@ -10,6 +10,7 @@ from eagle3_pipeline.evaluate.verdict import (
     predict,
     predicted_rates,
     predicted_tau,
+    wilson_interval,
     wilson_upper,
 )
 
@@ -117,6 +118,43 @@ def test_each_chain_is_judged_against_its_own_prediction():
     failed = {(p["draft_tokens"], p["position"]) for p in verdict["positions"] if not p["ok"]}
     assert failed and all(chain == 7 for chain, _ in failed)
     assert judge(runs, {3: [0.37, 0.38, 0.46], 7: None}, "x", 0)["passed"]
+
+
+def test_a_prediction_counted_over_few_rounds_is_not_judged_and_a_judged_one_counts_its_own_noise():
+    """The H200 run on 500 ShareGPT records: the walk predicted 0.5 at position 4 of a chain of 7 from 15 of 30
+    held-out rounds, and serving accepted 22 of 155 there (its other positions near the prediction). The noise of
+    the prediction's own count, not the drafter, failed that run; a shortfall over counts of thousands still
+    fails."""
+    walk = {"tau": 1.305, "target_forwards": 2287, "conditional_acceptance_per_position": [0.2313, 0.1747, 1 / 3, 0.5],
+            "accepted_per_position": [0.22955837341495408, 0.03979011805859204, 0.013117621337997376,
+                                      0.006558810668998688]}  # an older record: shares, no counts
+    training = {"eval": {"opening": {"tokens": 128, "cond_acc_k": [0.25, 0.26, 0.59, 0.86], "rows": 2984,
+                                     "rounds": {"4": walk}}}}
+    prediction = predict(training, 128, 4)
+    assert prediction.support == [2287, 525, 91, 30]
+    served = [_run(4, [3637, 477, 158, 22], [18161, 3637, 477, 155])]
+    assert not judge(served, {4: prediction.rates}, "x", 0)["passed"]  # the point estimate alone: the false alarm
+    verdict = judge(served, {4: prediction.rates}, "x", 0, support={4: prediction.support})
+    assert verdict["passed"], verdict["problems"]
+    assert all(p["judged"] for p in verdict["positions"])
+    assert verdict["positions"][0]["predicted_lower_99"] == pytest.approx(wilson_interval(0.2313, 2287)[0])
+    fewer = judge(served, {4: prediction.rates}, "x", 0, support={4: [2287, 525, 91, MIN_ROUNDS - 1]})
+    assert [p["judged"] for p in fewer["positions"]] == [True, True, True, False]
+    # A walk that counted its rounds: those counts; the issue's failure (0.6 % against 38 %) still fails.
+    counted = predict({"eval": {"opening": {"tokens": 128, "cond_acc_k": [0.38], "rows": 3000, "rounds": {
+        "1": {"tau": 1.38, "target_forwards": 2263, "conditional_acceptance_per_position": [0.38],
+              "reached": [2263], "accepted": [860]}}}}}, 128, 1)
+    assert counted.support == [2263]
+    failing = judge([_run(1, [14], [2263])], {1: counted.rates}, "x", 0, support={1: counted.support})
+    assert not failing["passed"] and "over 2263 rounds (99 % lower bound" in failing["problems"][0]
+
+
+def test_wilson_interval_brackets_the_rate_and_narrows_with_more_trials():
+    for rate, trials in [(0.1, 10), (0.5, 100), (0.38, 1000), (0.0, 50), (1.0, 50)]:
+        lower, upper = wilson_interval(rate, trials)
+        assert 0.0 <= lower <= rate <= upper <= 1.0
+    assert wilson_interval(0.4, 1000)[0] > wilson_interval(0.4, 30)[0]
+    assert wilson_interval(0.4, 0) == (0.0, 1.0)
 
 
 def _replayed_run(draft_tokens, accepted, reached, replay_accepted, rounds=1000, predicted_tau=None):

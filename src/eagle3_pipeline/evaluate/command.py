@@ -308,25 +308,24 @@ def judge_runs(measured_runs: list[dict], training: dict, check: dict, min_ratio
 
     every_token, _ = predicted_rates(training)  # without max_new_tokens: never the opening score
     per_token = replay.per_token() if replay is not None else None
-    runs, rates, source = [], {}, None
+    runs, rates, support, source = [], {}, {}, None
     for run in measured_runs:
         stats = run["stats"]
         chain = stats.draft_tokens
         prediction = predict(training, max_new_tokens, chain)
-        rates[chain] = prediction.rates
+        rates[chain], support[chain] = prediction.rates, prediction.support
         source = source or prediction.source
         replayed = replay.chains.get(chain) if replay is not None else None
-        runs.append({"draft_tokens": chain, **stats.as_dict(), "accepted": list(stats.accepted),
-                     "reached": list(stats.reached), "predicted_tau": prediction.tau,
+        runs.append({"draft_tokens": chain, **stats.as_dict(), "predicted_tau": prediction.tau,
                      "predicted_tau_per_token": prediction.per_token_tau,
                      "predicted_tau_all_tokens": predicted_tau(every_token, chain),
                      "predicted_conditional_acceptance": prediction.rates,
                      "replayed": None if replayed is None else {
-                         **replayed.as_dict(), "accepted": list(replayed.accepted), "reached": list(replayed.reached),
+                         **replayed.as_dict(),
                          "per_token_conditional_acceptance": per_token["cond_acc_k"][:chain],
                          "per_token_tau": predicted_tau(per_token["cond_acc_k"], chain)},
                      "decode_s": run["decode_s"], "batches": run["batches"], "tokens_per_s": run["tokens_per_s"]})
-    return runs, judge(runs, rates, source, check["faults"], min_ratio)
+    return runs, judge(runs, rates, source, check["faults"], min_ratio, support)
 
 
 def replay(target, drafter, prompt_ids: list[list[int]], reference, chains: list[int], max_new_tokens: int,

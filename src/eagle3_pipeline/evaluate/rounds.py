@@ -122,6 +122,7 @@ class AcceptanceStats:
             "conditional_acceptance_per_position": self.conditional_acceptance,
             "target_forwards": self.rounds, "tokens_from_verify": self.produced,
             "tokens_generated": self.completion_tokens, "requests": self.requests,
+            "accepted": list(self.accepted), "reached": list(self.reached),
         }  # fmt: skip
 
 

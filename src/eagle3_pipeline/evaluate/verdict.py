@@ -7,9 +7,11 @@ position k (every earlier draft accepted), the share that accepted it. A drafter
 far less than its training promises is the silent failure EAGLE users report most (aux layers,
 vocabulary mapping, chat template or KV cache that differ between training and serving), so the
 evaluation FAILS when, at some position, even the upper end of the 99 % confidence interval of the
-measured rate (Wilson's) is below ``min_ratio`` times the prediction. Positions reached fewer than
-``MIN_ROUNDS`` times are not judged (too few to tell). Outputs that differ from the target's own
-greedy decode other than by numerical near-ties fail it too: the decode itself is wrong then.
+measured rate (Wilson's) is below ``min_ratio`` times the lower end of the prediction's own interval
+(the prediction is a count over the held-out split's rounds too: deep positions rest on a few dozen).
+Positions reached fewer than ``MIN_ROUNDS`` times, in the measurement or in the rounds behind the
+prediction, are not judged (too few to tell). Outputs that differ from the target's own greedy
+decode other than by numerical near-ties fail it too: the decode itself is wrong then.
 
 The replay (``speculative.replay_chains``) tells the two kinds of shortfall apart: the same drafter
 on the same prompts, every state from full forwards. The measured drafts accepted per verify below
@@ -55,14 +57,19 @@ LIKELY_CAUSES = [
 ]
 
 
+def wilson_interval(rate: float, trials: int, z: float = Z_99) -> tuple[float, float]:
+    """Wilson's score interval for a binomial ``rate`` observed over ``trials`` (0 to 1 without trials)."""
+    if trials <= 0:
+        return 0.0, 1.0
+    centre = rate + z * z / (2 * trials)
+    spread = z * math.sqrt(max(rate * (1 - rate), 0.0) / trials + z * z / (4 * trials * trials))
+    scale = 1 + z * z / trials
+    return max(0.0, (centre - spread) / scale), min(1.0, (centre + spread) / scale)
+
+
 def wilson_upper(successes: int, trials: int, z: float = Z_99) -> float:
     """Upper end of Wilson's score interval for a binomial rate."""
-    if trials <= 0:
-        return 1.0
-    rate = successes / trials
-    centre = rate + z * z / (2 * trials)
-    spread = z * math.sqrt(rate * (1 - rate) / trials + z * z / (4 * trials * trials))
-    return min(1.0, (centre + spread) / (1 + z * z / trials))
+    return wilson_interval(successes / trials if trials > 0 else 0.0, trials, z)[1]
 
 
 def _rates(record) -> list[float] | None:
@@ -118,6 +125,20 @@ class Prediction:
     tau: float | None
     source: str | None
     per_token_tau: float | None = None  # the same tokens scored per token (1 + sum_k prod_{i<=k} cond_acc_i)
+    support: list[int] | None = None  # rounds (or rows) behind each rate; None: not known (not judged on it)
+
+
+def _support(record: dict, chain: int) -> list[int] | None:
+    """How many rounds (rows, scored per token) each conditional rate of ``record`` was counted over: a walk's
+    ``reached`` counts; else rows (or rounds) times the share that got every earlier position right."""
+    reached = record.get("reached")
+    if isinstance(reached, list) and len(reached) >= chain:
+        return [int(r) for r in reached[:chain]]
+    total = record.get("target_forwards", record.get("rows"))
+    shares = record.get("accepted_per_position", record.get("acc_k"))
+    if not isinstance(total, (int, float)) or not isinstance(shares, list) or len(shares) < chain - 1:
+        return None
+    return [int(total)] + [round(float(share) * total) for share in shares[:chain - 1]]
 
 
 def predict(training: dict, max_new_tokens: int | None, chain: int) -> Prediction:
@@ -135,8 +156,9 @@ def predict(training: dict, max_new_tokens: int | None, chain: int) -> Predictio
     if isinstance(walked, dict) and int(walked.get("target_forwards") or 0) >= MIN_ROUNDS \
             and isinstance(walked.get("conditional_acceptance_per_position"), list):
         return Prediction([float(r) for r in walked["conditional_acceptance_per_position"]], float(walked["tau"]),
-                          f"{source}, {WALKED}", per_token)
-    return Prediction(rates[:chain] if rates else None, per_token, source, per_token)
+                          f"{source}, {WALKED}", per_token, _support(walked, chain))
+    return Prediction(rates[:chain] if rates else None, per_token, source, per_token,
+                      _support(record, chain) if rates and "rows" in record else None)
 
 
 def judge_replay(runs: list[dict]) -> tuple[list[dict], list[str]]:
@@ -177,13 +199,17 @@ def diagnose(runs: list[dict], replay_checks: list[dict], source: str | None) ->
 
 
 def judge(runs: list[dict], rates: list[float] | dict[int, list[float] | None] | None, source: str | None,
-          reference_faults: int, min_ratio: float = DEFAULT_MIN_RATIO) -> dict:
+          reference_faults: int, min_ratio: float = DEFAULT_MIN_RATIO,
+          support: dict[int, list[int] | None] | None = None) -> dict:
     """The verdict over every measured chain length.
 
     ``runs``: per chain length ``draft_tokens``, ``accepted`` and ``reached`` counts per position
     (``AcceptanceStats``), and ``replayed`` (``AcceptanceStats.as_dict`` of the replay) when one was made.
     ``rates``: the predicted conditional acceptance per position, one list for every chain or per chain length
     (``predict``). ``reference_faults``: outputs that differ from the full-forward decode other than by near-ties.
+    ``support``: per chain length, the rounds behind each predicted rate (``Prediction.support``); a position
+    whose prediction rests on fewer than MIN_ROUNDS is not judged, and one that is judged is compared with the
+    lower end of the prediction's interval, so that the noise of either count alone never fails a run.
     """
     replay_checks, problems = judge_replay(runs)
     positions = []
@@ -197,17 +223,21 @@ def judge(runs: list[dict], rates: list[float] | dict[int, list[float] | None] |
                 continue
             measured = accepted / reached if reached else None
             upper = wilson_upper(accepted, reached)
-            judged = reached >= MIN_ROUNDS
-            ok = not judged or upper >= min_ratio * rates[index]
+            behind = ((support or {}).get(run["draft_tokens"]) or [None] * (index + 1))[index:index + 1]
+            behind = behind[0] if behind else None
+            lower = rates[index] if behind is None else wilson_interval(rates[index], behind)[0]
+            judged = reached >= MIN_ROUNDS and (behind is None or behind >= MIN_ROUNDS)
+            ok = not judged or upper >= min_ratio * lower
             positions.append({"draft_tokens": run["draft_tokens"], "position": index + 1, "measured": measured,
-                              "rounds": reached, "upper_99": upper, "predicted": rates[index], "judged": judged,
-                              "ok": ok})
+                              "rounds": reached, "upper_99": upper, "predicted": rates[index],
+                              "predicted_rounds": behind, "predicted_lower_99": lower, "judged": judged, "ok": ok})
             if not ok:
                 predicted_problem = True
+                over = "" if behind is None else f" over {behind} rounds (99 % lower bound {lower:.3f})"
                 problems.append(
                     f"chain of {run['draft_tokens']}, draft position {index + 1}: accepted in {accepted} of {reached} "
                     f"rounds that reached it ({measured:.3f}; 99 % upper bound {upper:.3f}), while {source} predicts "
-                    f"{rates[index]:.3f} (the check asks for at least {min_ratio:g} of that)")
+                    f"{rates[index]:.3f}{over} (the check asks for at least {min_ratio:g} of that)")
     if reference_faults:
         problems.append(f"{reference_faults} output(s) differ from the target's own greedy decode by full forwards, "
                         "other than by numerical near-ties: the speculative decode itself reads wrong states")

@@ -451,17 +451,20 @@ def positions_html(record: dict) -> list[Html]:
         return []
     rows = [(number(p.get("draft_tokens")), number(p.get("position")), number(p.get("rounds")),
              number(p.get("measured")), number(p.get("upper_99")), number(p.get("predicted")),
+             number(p.get("predicted_rounds")), number(p.get("predicted_lower_99")),
              "yes" if p.get("judged") else "no: too few rounds",
              tag("span", "yes", class_="ok") if p.get("ok") and p.get("judged") else
              tag("span", "BELOW", class_="bad") if p.get("ok") is False else "-") for p in positions]
     ratio = verdict.get("min_ratio")
     return [tag("h3", "The verdict per draft position"),
-            tag("p", f"A position is judged when {verdict.get('min_rounds', '-')} rounds or more reached it, and fails "
-                     f"when even the upper end of the 99 % interval of its measured rate is below "
-                     f"{number(ratio) if isinstance(ratio, (int, float)) else '-'} times the prediction "
-                     f"({verdict.get('predicted_from') or 'source not recorded'}).", class_="muted"),
+            tag("p", f"A position is judged when {verdict.get('min_rounds', '-')} rounds or more reached it, in the "
+                     f"measurement and in the held-out rounds behind the prediction, and fails when even the upper "
+                     f"end of the 99 % interval of its measured rate is below "
+                     f"{number(ratio) if isinstance(ratio, (int, float)) else '-'} times the lower end of the "
+                     f"prediction's ({verdict.get('predicted_from') or 'source not recorded'}).", class_="muted"),
             table(["drafts per verify", "position", "rounds that reached it", "measured P(accepted | earlier)",
-                   "99 % upper bound", "predicted", "judged", "within"], rows, numeric=(0, 1, 2, 3, 4, 5))]
+                   "99 % upper bound", "predicted", "held-out rounds behind it", "its 99 % lower bound", "judged",
+                   "within"], rows, numeric=(0, 1, 2, 3, 4, 5, 6, 7))]
 
 
 def chains_html(record: dict) -> list[Html]:
