@@ -95,6 +95,9 @@ def write_inventory(work: Path, args, regenerate: bool) -> Path:
         # the site run without regeneration and must not be stopped by its resets).
         "gpu_reset_match": ["serve-reference", "sglang"], "gpu_reset_required": args.device != "cpu",
         "gpu_reset_report_dir": str(run_dir / "gpu_reset"),
+        # The run without regeneration goes beside the trainings and the measurer (this process holds the GPU):
+        # no reset after its capture server stops either (its stage's resets are skipped by tag).
+        "sglang_server_gpu_reset_after_stop": regenerate,
         "regeneration_enabled": regenerate, "regeneration_output_dir": str(work / "regeneration"),
         "regeneration_max_new_tokens": args.regeneration_max_new_tokens,
         "extraction_dataset": str(args.sharegpt), "extraction_num_samples": args.conversations,
