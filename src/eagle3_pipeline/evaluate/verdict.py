@@ -223,8 +223,8 @@ def judge(runs: list[dict], rates: list[float] | dict[int, list[float] | None] |
                 continue
             measured = accepted / reached if reached else None
             upper = wilson_upper(accepted, reached)
-            behind = ((support or {}).get(run["draft_tokens"]) or [None] * (index + 1))[index:index + 1]
-            behind = behind[0] if behind else None
+            counts = (support or {}).get(run["draft_tokens"])
+            behind = counts[index] if counts and index < len(counts) else None
             lower = rates[index] if behind is None else wilson_interval(rates[index], behind)[0]
             judged = reached >= MIN_ROUNDS and (behind is None or behind >= MIN_ROUNDS)
             ok = not judged or upper >= min_ratio * lower
