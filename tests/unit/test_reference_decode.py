@@ -68,7 +68,8 @@ def prompts(runner) -> list[list[int]]:
     return out
 
 
-def full_forward_greedy(runner: ModelRunner, ids: list[int], budget: int) -> tuple[list[int], list[float]]:
+def full_forward_greedy(runner: ModelRunner, ids: list[int], budget: int,
+                        ignore_eos: bool = False) -> tuple[list[int], list[float]]:
     """Greedy tokens by one full forward per token (no cache), and the top-1 margin at each step."""
     tokens, margins = [], []
     sequence = list(ids)
@@ -80,7 +81,7 @@ def full_forward_greedy(runner: ModelRunner, ids: list[int], budget: int) -> tup
             tokens.append(token)
             margins.append(float(best.values[0] - best.values[1]))
             sequence.append(token)
-            if token in runner.eos_token_ids:
+            if token in runner.eos_token_ids and not ignore_eos:
                 break
     return tokens, margins
 
@@ -148,6 +149,9 @@ def test_logprobs_of_a_batched_decode_are_each_rows_own(runner, prompts):
             sequence.append(token)
 
 
+FIRST_BUDGET = 320  # tokens of the request the others join
+
+
 def test_concurrent_generate_requests_equal_full_forward_greedy_and_join_the_running_decode(
     tiny_model, runner, prompts, tmp_path
 ):
@@ -166,17 +170,19 @@ def test_concurrent_generate_requests_equal_full_forward_greedy_and_join_the_run
             port = int(match.group(1)) if match else time.sleep(0.1)
         results: dict[int, dict] = {}
 
-        def send(i: int, budget: int) -> None:
+        def send(i: int, budget: int, ignore_eos: bool = False) -> None:
             connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-            body = {"input_ids": prompts[i], "sampling_params": {"max_new_tokens": budget, "temperature": 0}}
+            body = {"input_ids": prompts[i],
+                    "sampling_params": {"max_new_tokens": budget, "temperature": 0, "ignore_eos": ignore_eos}}
             connection.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
             response = connection.getresponse()
             results[i] = {"status": response.status, **json.loads(response.read())}
             connection.close()
 
-        # The first request runs a long budget (80 tokens: over 0.3 s at any CPU speed seen here);
-        # the others arrive while it decodes, and join it.
-        first = threading.Thread(target=send, args=(0, 80))
+        # The first request decodes its whole budget, end token or not (the tiny model is built on each
+        # machine: where its answer ends early, 80 tokens were over before the others came); 320 tokens
+        # take far longer than 0.3 s on any CPU. The others arrive while it decodes, and join it.
+        first = threading.Thread(target=send, args=(0, FIRST_BUDGET, True))
         first.start()
         time.sleep(0.3)
         others = [threading.Thread(target=send, args=(i, 24)) for i in range(1, len(prompts))]
@@ -186,7 +192,7 @@ def test_concurrent_generate_requests_equal_full_forward_greedy_and_join_the_run
             thread.join(timeout=120)
         for i, ids in enumerate(prompts):
             assert results[i]["status"] == 200, results[i]
-            want, margins = full_forward_greedy(runner, ids, 80 if i == 0 else 24)
+            want, margins = full_forward_greedy(runner, ids, FIRST_BUDGET if i == 0 else 24, ignore_eos=i == 0)
             assert_same_greedy(results[i]["output_ids"], want, margins, f"request {i}")
     finally:
         proc.send_signal(signal.SIGTERM)
