@@ -102,6 +102,8 @@ def write_inventory(work: Path, args, regenerate: bool) -> Path:
         "regeneration_max_new_tokens": args.regeneration_max_new_tokens,
         "extraction_dataset": str(args.sharegpt), "extraction_num_samples": args.conversations,
         "extraction_max_length": args.max_length,
+        # Stored as captured by default: --fp8 makes the float8 copy of these states and compares the two.
+        "extraction_storage_dtype": args.storage_dtype,
         "extraction_output_dir": str(run_dir / "data"), "extraction_state_dir": str(work / "jobs"),
         "eagle_training_output_dir": str(run_dir / "training"),
         "eagle_training_drafter_dir": str(run_dir / "training" / "drafter"),
@@ -293,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-original", action="store_true", help="no run without regeneration")
     parser.add_argument("--skip-specforge", action="store_true", help="no SpecForge drafters")
     parser.add_argument("--specforge-seeds", type=int, nargs="+", help="SpecForge's seeds (default: --seeds)")
+    parser.add_argument("--storage-dtype", choices=("bfloat16", "float8_e4m3", "auto"), default="bfloat16",
+                        help="extraction_storage_dtype of the site runs (default bfloat16, which --fp8 copies; auto: "
+                        "the role's default, float8 quantized by the engine for this bf16 target)")
     parser.add_argument("--fp8", action="store_true",
                         help="also a float8 copy of the regenerated data (convert-storage), its storage figures and "
                         "our drafter trained on it with the first seed")
@@ -309,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="tags part 1's site.yml skips (evaluate,report: its drafter is measured in part 2 anyway)")
     parser.add_argument("--fp32-prompts", type=int, default=32, help="held-out prompts of the float32 re-measurement")
     args = parser.parse_args(argv)
+    if args.fp8 and args.storage_dtype != "bfloat16":
+        parser.error("--fp8 copies the data stored as captured: leave --storage-dtype at bfloat16")
     args.work, args.gguf, args.sharegpt = args.work.resolve(), args.gguf.resolve(), args.sharegpt.resolve()
     args.work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"),

@@ -80,7 +80,7 @@ def run_and_compare(work: Path, model: Path, device: str) -> dict:
         done = subprocess.run(
             [sys.executable, "-m", "eagle3_pipeline.cli", "extract", "--dataset", str(dataset), "--output-dir",
              str(out), "--server-url", f"http://127.0.0.1:{port}", "--max-length", str(MAX_TOKENS),
-             "--concurrency", str(BATCH)],
+             "--concurrency", str(BATCH), "--storage-dtype", "bfloat16"],  # compared with HF's bf16 below
             capture_output=True, text=True, env=bench._env(), timeout=900, check=False)
     finally:
         bench.stop_server(server)

@@ -801,6 +801,8 @@ def test_float8_extraction_verifies_first_and_stores_what_convert_storage_makes_
     assert (data["storage_dtype"], data["dtype"], data["storage"]["read_as"]) == (FLOAT8, "float32", "float32")
     assert data["storage"]["bytes_per_token"] == (len(AUX_LAYERS) + 1) * (HIDDEN + 4) + 5
     assert verify_dataset(out)["ok"]
+    # The engine's capture writer quantized every sample (its requests asked so); the client none.
+    assert f"float8: {NUM_SAMPLES} samples quantized by the engine's capture writer, 0 here" in result.stderr
     stored = load_file(str(out / data["shards"][SHARDS[0]]["files"][0]["file"]))
     assert stored["aux_hidden_states"].dtype == torch.float8_e4m3fn and stored["aux_hidden_scales"].shape[1] == 3
     # The top-1 check ran on the captured (float32) states: every sample checked as in the unquantized run.

@@ -355,6 +355,29 @@ def test_hook_writes_each_request_of_an_extend_batch(tmp_path):
         assert cap.aux_layer_ids == AUX and cap.engine == "sglang-0.5.23"
 
 
+def test_hook_quantizes_the_requests_that_ask_for_float8_beside_plain_ones(tmp_path):
+    from eagle3_pipeline.capture.writer import FLOAT8_RID_SUFFIX, UNQUANTIZED_LAST  # noqa: PLC0415
+    from eagle3_pipeline.extract.storage import FLOAT8, quantize_states  # noqa: PLC0415
+
+    model = TinyLlamaForCausalLM()
+    model.set_eagle3_layers_to_capture(_register(model, tmp_path))
+    lens, rids = [3, 5], ["req-plain", "req-q" + FLOAT8_RID_SUFFIX]
+    batch = _forward_batch(rids, lens, [0, 0])
+    seen = {}
+    model.logits_processor.register_forward_hook(lambda m, args, out: seen.update(h=args[1], aux=args[4]))
+    with _tp_rank(0):
+        model(torch.randint(0, VOCAB, (sum(lens),)), torch.arange(sum(lens)), batch)
+
+    plain, quantized = (read_capture(capture_path(tmp_path, rid)) for rid in rids)
+    assert plain.storage_dtype is None and torch.equal(plain.last_hidden_states, seen["h"][:3])
+    rows = slice(3, 8)
+    expected = quantize_states(torch.cat(seen["aux"], dim=-1)[rows], seen["h"][rows])
+    assert quantized.storage_dtype == FLOAT8 and quantized.num_tokens == 5
+    for name, tensor in expected.items():
+        assert torch.equal(quantized.tensors[name].view(torch.uint8), tensor.view(torch.uint8)), name
+    assert torch.equal(quantized.tensors[UNQUANTIZED_LAST], seen["h"][rows])
+
+
 def test_hook_records_cached_prefix_and_split_prefill_as_incomplete(tmp_path):
     model = TinyLlamaForCausalLM()
     model.set_eagle3_layers_to_capture(_register(model, tmp_path))

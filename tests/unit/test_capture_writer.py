@@ -67,3 +67,58 @@ def test_a_truncated_file_is_reported_not_loaded(tmp_path):
     path.write_bytes(path.read_bytes()[:-10])
     with pytest.raises(CaptureError, match="not a readable capture file"):
         read_capture(path)
+
+
+# -- float8 captures (a request id ending in ".f8") ----------------------------------------------
+def states_with_every_kind_of_value(tokens: int = 9, hidden: int = 32, n_aux: int = 3):
+    """bf16 states with rows of zeros, huge and tiny rows (e4m3 subnormals after scaling), and ties."""
+    torch.manual_seed(1)
+    aux = (torch.randn(tokens, n_aux * hidden) * torch.logspace(-6, 4, tokens)[:, None]).to(torch.bfloat16)
+    aux[0] = 0
+    aux[1, :hidden] = torch.linspace(-448, 448, hidden)  # a slice whose scale is 1: exact e4m3 ties
+    last = (torch.randn(tokens, hidden) * 3).to(torch.bfloat16)
+    last[2, 5] = -1e30
+    return aux, last
+
+
+def test_a_float8_request_gets_its_states_as_a_float8_sample_stores_them_and_its_last_states_unquantized(tmp_path):
+    from eagle3_pipeline.capture.writer import FLOAT8_RID_SUFFIX, UNQUANTIZED_LAST  # noqa: PLC0415
+    from eagle3_pipeline.extract.storage import FLOAT8, quantize_states  # noqa: PLC0415
+
+    aux, last = states_with_every_kind_of_value()
+    rid = "e3x-0-abc-key-0" + FLOAT8_RID_SUFFIX
+
+    path = write_capture(tmp_path, rid, aux, last, [1, 3, 5], engine="reference")
+
+    stored = load_file(str(path))
+    expected = quantize_states(aux, last)
+    assert set(stored) == {*expected, UNQUANTIZED_LAST}
+    for name, tensor in expected.items():  # the bits of the storage's own quantization
+        assert stored[name].dtype == tensor.dtype
+        assert torch.equal(stored[name].view(torch.uint8), tensor.view(torch.uint8)), name
+    assert torch.equal(stored[UNQUANTIZED_LAST], last) and stored[UNQUANTIZED_LAST].dtype == torch.bfloat16
+    # Bytes a token: (3 + 1) x 32 float8 values, 4 float32 scales, 32 bf16 unquantized last states,
+    # against (3 + 1) x 32 x 2 as captured.
+    data = sum(t.numel() * t.element_size() for t in stored.values())
+    assert data == 9 * (4 * 32 + 4 * 4 + 32 * 2)
+    write_capture(tmp_path, "plain", aux, last, [1, 3, 5], "t")
+    capture = read_capture(path)
+    assert (capture.storage_dtype, capture.num_tokens, capture.rid) == (FLOAT8, 9, rid)
+    assert read_capture(tmp_path / "plain.safetensors").storage_dtype is None
+
+
+def test_states_an_engine_quantized_are_checked_by_their_scales():
+    from eagle3_pipeline.extract.storage import Layout, check_quantized_states, quantize_states  # noqa: PLC0415
+
+    aux, last = states_with_every_kind_of_value()
+    layout = Layout(n_aux=3, hidden=32, dtype="bfloat16", storage="float8_e4m3")
+    assert check_quantized_states(quantize_states(aux, last), layout, 9) is None
+    assert "expected (8, 96)" in check_quantized_states(quantize_states(aux, last), layout, 8)
+    bad = aux.clone()
+    bad[4, 40] = float("nan")
+    assert "aux_hidden_states has NaN or inf" in check_quantized_states(quantize_states(bad, last), layout, 9)
+    bad[4, 40] = float("inf")
+    assert "aux_hidden_states has NaN or inf" in check_quantized_states(quantize_states(bad, last), layout, 9)
+    states = quantize_states(aux, last)
+    del states["last_hidden_scales"]
+    assert check_quantized_states(states, layout, 9) == "lacks last_hidden_scales"

@@ -343,6 +343,21 @@ def test_a_rerun_of_the_extraction_with_another_storage_dtype_is_refused_naming_
         "a sample's key does not depend on how it is stored: the journals stay valid through a conversion"
 
 
+def test_auto_stores_float8_for_a_16_bit_target_as_captured_for_float32_and_a_rerun_what_the_dataset_holds(
+    bf16_dir, fp8_dir, tmp_path
+):
+    resolve = job.resolve_storage_dtype
+    new = tmp_path / "new"
+    assert [resolve("auto", dtype, new) for dtype in ("bfloat16", "float16", "float32")] == \
+        [FLOAT8, FLOAT8, "bfloat16"]
+    # A rerun continues the dataset as it is stored, whatever auto would choose for a new one.
+    assert resolve("auto", "bfloat16", bf16_dir) == "bfloat16"
+    assert resolve("auto", "float32", fp8_dir) == FLOAT8
+    # An explicit choice is kept (a mismatch with the dataset is claim_settings' to refuse).
+    assert resolve("bfloat16", "bfloat16", new) == "bfloat16" and resolve(FLOAT8, "float32", bf16_dir) == FLOAT8
+    assert job.ExtractConfig.__dataclass_fields__["storage_dtype"].default == "auto"
+
+
 # -- measuring -----------------------------------------------------------------------------------
 def test_compare_datasets_measures_bytes_per_token_and_the_error_per_layer(bf16_dir, tmp_path):
     copy = tmp_path / "copy"

@@ -8,6 +8,16 @@ this code, so the extraction client reads one format:
 metadata (rid, num_tokens, aux_layer_ids, engine). A request whose prefill was not complete
 (a cached prefix, a split prefill) never gets that file: ``<rid>.incomplete.json`` says why.
 Files appear by rename, so a reader never sees half a file; the directory is mode 0700.
+
+A request id ending in ``.f8`` (``FLOAT8_RID_SUFFIX``; the extraction's client sends such ids
+when it stores float8, ``extraction_storage_dtype: float8_e4m3``) gets its states quantized by
+the writer, on the device they are on (the engine's GPU), as a float8 sample stores them
+(``extract/storage.py``: ``aux_hidden_states``/``last_hidden_states`` in float8_e4m3fn with
+``aux_hidden_scales``/``last_hidden_scales``), plus ``last_hidden_states_unquantized`` [T, H]
+in the model's dtype for the client's top-1 check; metadata ``storage_dtype: float8_e4m3``.
+The engine's GPU does in microseconds what the client's CPU took seconds for, and the copy to
+the host, the capture file and the client's reads shrink to 3/4 or less. The request says what
+it wants, so the server needs no setting and one server serves both kinds of extraction.
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ from eagle3_pipeline.atomic import atomic_write, atomic_write_text
 CAPTURE_SUFFIX = ".safetensors"
 INCOMPLETE_SUFFIX = ".incomplete.json"
 _RID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+FLOAT8_RID_SUFFIX = ".f8"  # a request id ending so asks for float8 states (module docstring)
+UNQUANTIZED_LAST = "last_hidden_states_unquantized"  # a float8 capture's last states as computed
 
 
 class CaptureError(ValueError):
@@ -42,6 +54,11 @@ def check_rid(rid: str) -> str:
             "starting with a letter or digit"
         )
     return rid
+
+
+def wants_float8(rid: str) -> bool:
+    """Whether the request ``rid`` asks for its states quantized to float8 (module docstring)."""
+    return rid.endswith(FLOAT8_RID_SUFFIX)
 
 
 def ensure_capture_dir(capture_dir: str | os.PathLike) -> Path:
@@ -122,7 +139,8 @@ def write_capture(
     """Write the capture of one request atomically; return its path.
 
     ``aux_hidden_states`` is [T, n_aux * H] and ``last_hidden_states`` [T, H], both on any
-    device and in the model's dtype (they are copied to the CPU as they are).
+    device and in the model's dtype: copied to the CPU as they are, or quantized where they are
+    first when ``rid`` asks for float8 (``FLOAT8_RID_SUFFIX``).
     """
     if last_hidden_states.dim() != 2 or aux_hidden_states.dim() != 2:
         raise CaptureError(
@@ -138,8 +156,20 @@ def write_capture(
         )
     directory = ensure_capture_dir(capture_dir)
     target = capture_path(directory, rid)
-    tensors = {"aux_hidden_states": _to_host(aux_hidden_states), "last_hidden_states": _to_host(last_hidden_states)}
+    if wants_float8(rid):
+        from eagle3_pipeline.extract.storage import FLOAT8, quantize_states  # noqa: PLC0415
+
+        with torch.inference_mode():
+            states = quantize_states(aux_hidden_states.detach(), last_hidden_states.detach())
+        tensors = {name: _to_host(tensor) for name, tensor in states.items()}
+        tensors[UNQUANTIZED_LAST] = _to_host(last_hidden_states)
+        extra = {"storage_dtype": FLOAT8}
+    else:
+        tensors = {"aux_hidden_states": _to_host(aux_hidden_states),
+                   "last_hidden_states": _to_host(last_hidden_states)}
+        extra = {}
     metadata = {
+        **extra,
         "rid": rid,
         "num_tokens": str(tokens),
         "hidden_size": str(hidden),
@@ -164,13 +194,16 @@ def write_incomplete(capture_dir: str | os.PathLike, rid: str, reason: str, **de
 
 @dataclass
 class Capture:
-    """A capture read back: the two tensors and the metadata."""
+    """A capture read back: the two tensors and the metadata (a float8 capture's as stored: values,
+    with its scales and unquantized last states in ``tensors``)."""
 
     rid: str
     aux_hidden_states: torch.Tensor
     last_hidden_states: torch.Tensor
     aux_layer_ids: list[int]
     engine: str
+    storage_dtype: str | None = None
+    tensors: dict[str, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -196,4 +229,6 @@ def read_capture(path: str | os.PathLike) -> Capture:
         last_hidden_states=tensors["last_hidden_states"],
         aux_layer_ids=json.loads(metadata.get("aux_layer_ids", "[]")),
         engine=metadata.get("engine", "unknown"),
+        storage_dtype=metadata.get("storage_dtype"),
+        tensors=tensors,
     )

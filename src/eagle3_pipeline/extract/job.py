@@ -17,8 +17,11 @@ coordination and write into one shared output directory. The steps:
 5. write the part's manifest; with one part (and without ``--no-merge``) merge it into
    ``D/data_config.json``.
 
-``--storage-dtype float8_e4m3`` stores the states quantized (``storage.py``), after the checks
-of step 4 ran on them as captured.
+``--storage-dtype float8_e4m3`` stores the states quantized (``storage.py``): the requests ask
+the engine's capture writer for float8 (ids ending in ``.f8``, ``capture/writer.py``), which
+quantizes on its GPU and adds the last states unquantized for step 4's top-1 check; an engine
+that does not (an older eagle3-pipeline) sends them as captured, and they are quantized here
+after the checks.
 
 SIGTERM (the supervisor's stop) and SIGINT stop sending, let the requests in flight finish
 and be stored, and exit; a rerun continues. A kill -9 loses at most the samples in flight.
@@ -48,6 +51,9 @@ from eagle3_pipeline.work_window import run_window
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_UNREACHABLE, EXIT_STOPPED = 0, 1, 2, 3, 4
 # storage.STORAGE_DTYPES, named here too: that module imports torch, this one not until a run starts.
 STORAGE_DTYPES = ("bfloat16", "float8_e4m3")
+# The default: float8 for a 16-bit target, as captured for a float32 one, what an existing dataset
+# holds for a rerun (``resolve_storage_dtype``).
+AUTO_STORAGE = "auto"
 RID_PREFIX = "e3x"
 HEADER_BYTES = 400  # a sample file's safetensors header, about
 WRITERS = 2  # threads storing samples beyond the requests in flight
@@ -89,7 +95,7 @@ class ExtractConfig:
     merge: bool = True
     quiet: bool = False
     trust_remote_code: bool = False
-    storage_dtype: str = "bfloat16"  # as captured; or float8_e4m3: quantized after verification (storage.py)
+    storage_dtype: str = AUTO_STORAGE  # bfloat16: as captured; float8_e4m3; auto (resolve_storage_dtype)
 
 
 @dataclass
@@ -162,9 +168,32 @@ def data_settings(facts, model_path: Path, renderer, cfg: ExtractConfig) -> dict
         "overflow": cfg.overflow,
         "shard_size": cfg.shard_size,
     }
-    if cfg.storage_dtype == STORAGE_DTYPES[1]:  # recorded only when quantized: unquantized data keeps its settings
-        settings["storage_dtype"] = cfg.storage_dtype
+    storage_dtype = resolve_storage_dtype(cfg.storage_dtype, settings["dtype"], cfg.output_dir)
+    if storage_dtype == STORAGE_DTYPES[1]:  # recorded only when quantized: unquantized data keeps its settings
+        settings["storage_dtype"] = storage_dtype
     return settings
+
+
+def resolve_storage_dtype(requested: str, target_dtype: str, output_dir: Path) -> str:
+    """The storage dtype a run stores: ``requested``, or for ``auto`` the one measured best.
+
+    ``auto``: what the dataset in ``output_dir`` already holds (a rerun continues it as it is),
+    else float8 for a 16-bit target (bfloat16, float16: every served model), else as captured
+    (a float32 target: the tiny CPU model). Float8 measured on the H200 (docs/benchmarks.md):
+    half the bytes, the drafter's acceptance unchanged (within the seed-to-seed spread), the
+    extraction no slower, the training reading it 1.5-1.9x faster. A float32 target keeps its
+    states: float8 would drop 20 of its 24 mantissa bits, not 5 of bfloat16's 8, and a CPU
+    training reads float8 slower (it dequantizes on the CPU).
+    """
+    if requested != AUTO_STORAGE:
+        return requested
+    recorded = Path(output_dir) / "extraction.json"  # store.SETTINGS_FILE (store imports torch)
+    if recorded.is_file():
+        try:
+            return json.loads(recorded.read_text()).get("storage_dtype") or STORAGE_DTYPES[0]
+        except (OSError, ValueError):
+            pass  # unreadable: claim_settings says so, naming the file
+    return STORAGE_DTYPES[1] if target_dtype in ("bfloat16", "float16") else STORAGE_DTYPES[0]
 
 
 def _settings_hash(settings: dict) -> str:
@@ -378,7 +407,13 @@ class SampleWorker:
         self.n_aux = len(plan.settings["aux_layers"])
         self.hidden = plan.settings["hidden_size"]
         self.dtype = plan.settings["dtype"]
-        self.storage_dtype = plan.settings.get("storage_dtype")
+        from eagle3_pipeline.extract import storage  # noqa: PLC0415
+
+        self.layout = storage.Layout.of(plan.settings)
+        # Where this run's float8 samples were quantized: "engine" (its capture writer) or "client"
+        # (here, for an engine running an older eagle3-pipeline); for the run's log.
+        self.quantized_by: Counter = Counter()
+        self.count_lock = threading.Lock()
         self.stopping = threading.Event()
         # Request ids differ between runs: a killed run's requests may still be in the server
         # ("Duplicate request ID") or write their captures late.
@@ -411,11 +446,13 @@ class SampleWorker:
         import torch  # noqa: PLC0415
         from safetensors.torch import load_file  # noqa: PLC0415
 
-        from eagle3_pipeline.capture.writer import capture_path, incomplete_path  # noqa: PLC0415
+        from eagle3_pipeline.capture.writer import FLOAT8_RID_SUFFIX, capture_path, incomplete_path  # noqa: PLC0415
         from eagle3_pipeline.extract import store, verify  # noqa: PLC0415
 
         index = self.cfg.part[0]
         rid = f"{RID_PREFIX}-{index}-{self.run_id}-{prep.key[:16]}-{attempt}"
+        if self.layout.quantized:  # the engine's capture writer quantizes it on its GPU
+            rid += FLOAT8_RID_SUFFIX
         tokens = len(prep.input_ids)
         start = first_checked_position(self.cfg, prep.ordinal, tokens)
         try:
@@ -426,20 +463,23 @@ class SampleWorker:
             meta = answer["meta_info"]
             verify.check_meta(meta, tokens)
             path = self._wait_capture(rid)
-            tensors = load_file(str(path))
-            aux, last = tensors["aux_hidden_states"], tensors["last_hidden_states"]
-            verify.check_capture(aux, last, tokens, self.n_aux, self.hidden)
-            if str(last.dtype).removeprefix("torch.") != self.dtype:
-                raise verify.SampleRejected("capture_dtype", f"capture is {last.dtype}, the dataset is {self.dtype}")
-            agreement = verify.check_top1(last, self.lm_head, start, verify.engine_top1(meta, tokens, start),
+            captured, states = self._checked_capture(load_file(str(path)), tokens)
+            agreement = verify.check_top1(captured, self.lm_head, start, verify.engine_top1(meta, tokens, start),
                                           self.cfg.verify_tolerance)
             ids = torch.frombuffer(bytearray(prep.input_ids.tobytes()), dtype=torch.int32)
             mask = torch.frombuffer(bytearray(prep.loss_mask.tobytes()), dtype=torch.uint8)
-            size, sha = store.write_sample(  # quantized here, when asked: after the checks above
-                self.cfg.output_dir / prep.file, ids, mask, aux, last,
-                {"format": store.FORMAT, "id": prep.sample_id, "line": str(prep.line), "key": prep.key},
-                self.storage_dtype,
-            )
+            metadata = {"format": store.FORMAT, "id": prep.sample_id, "line": str(prep.line), "key": prep.key}
+            quantizer = "engine" if "aux_hidden_scales" in states else "client"
+            if quantizer == "engine" or not self.layout.quantized:  # stored as the capture holds them
+                size, sha = store.write_tensors(self.cfg.output_dir / prep.file,
+                                                {"input_ids": ids, "loss_mask": mask, **states}, metadata)
+            else:  # float8 asked of an engine whose writer does not quantize: quantized here, after the checks
+                size, sha = store.write_sample(self.cfg.output_dir / prep.file, ids, mask,
+                                               states["aux_hidden_states"], states["last_hidden_states"], metadata,
+                                               self.layout.storage)
+            if self.layout.quantized:
+                with self.count_lock:
+                    self.quantized_by[quantizer] += 1
         finally:
             capture_path(self.cfg.capture_dir, rid).unlink(missing_ok=True)
             incomplete_path(self.cfg.capture_dir, rid).unlink(missing_ok=True)
@@ -450,6 +490,28 @@ class SampleWorker:
             "sha256": sha, "checked_positions": agreement.checked, "near_ties": agreement.near_ties,
             "attempts": attempt + 1,
         }
+
+    def _checked_capture(self, tensors: dict, tokens: int) -> tuple:
+        """(the last states as the engine computed them, for the top-1 check; the states to store),
+        after the shape, dtype and finiteness checks; a float8 capture's states are as stored."""
+        from eagle3_pipeline.capture.writer import UNQUANTIZED_LAST  # noqa: PLC0415
+        from eagle3_pipeline.extract import storage, verify  # noqa: PLC0415
+
+        if UNQUANTIZED_LAST in tensors:  # quantized by the engine (its rid asked so)
+            last = tensors.pop(UNQUANTIZED_LAST)
+            problem = storage.check_quantized_states(tensors, self.layout, tokens)
+            if problem:
+                raise verify.SampleRejected("capture_shape" if "NaN" not in problem else "non_finite",
+                                            f"float8 capture: {problem}")
+            verify.check_capture_last(last, tokens, self.hidden)
+            states = tensors
+        else:
+            aux, last = tensors["aux_hidden_states"], tensors["last_hidden_states"]
+            verify.check_capture(aux, last, tokens, self.n_aux, self.hidden)
+            states = {"aux_hidden_states": aux, "last_hidden_states": last}
+        if str(last.dtype).removeprefix("torch.") != self.dtype:
+            raise verify.SampleRejected("capture_dtype", f"capture is {last.dtype}, the dataset is {self.dtype}")
+        return last, states
 
     def __call__(self, prep: Prepared) -> dict | None:
         """The sample's journal record, or None when it was not sent (the run is stopping)."""
@@ -580,6 +642,11 @@ def run_extraction(cfg: ExtractConfig) -> int:  # noqa: PLR0911 - one exit per o
         progress.restart_clock()  # tokens/s from the first request, not from loading lm_head
         outcome = _run_samples(cfg, plan, worker, progress, failed)
         _remove_stale_captures(cfg)  # those of requests a killed earlier run left in flight
+        if worker.layout.quantized:
+            here = worker.quantized_by["client"]
+            _log(cfg, f"float8: {worker.quantized_by['engine']} samples quantized by the engine's capture writer, "
+                      f"{here} here on the CPU" + (" (slower: the server's eagle3-pipeline predates quantizing in "
+                                                     "its capture writer; update it there)" if here else ""))
     plan.journal.close()
     del lock
     if outcome != EXIT_OK:
@@ -749,9 +816,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="where lm_head runs for the check; cpu by default: on the server's GPU the check's "
                         "kernels time-slice with the server's (measured on an H200: 8%% fewer tokens/s)")
     parser.add_argument("--max-skip-ratio", type=float, default=0.05)
-    parser.add_argument("--storage-dtype", choices=list(STORAGE_DTYPES), default=STORAGE_DTYPES[0],
-                        help="how the hidden states are stored: bfloat16 (as captured, in the target's dtype) or "
-                        "float8_e4m3 (half the bytes: per-token, per-layer scales; quantized after verification)")
+    parser.add_argument("--storage-dtype", choices=[AUTO_STORAGE, *STORAGE_DTYPES], default=AUTO_STORAGE,
+                        help="how the hidden states are stored: bfloat16 (as captured, in the target's dtype), "
+                        "float8_e4m3 (half the bytes: per-token, per-layer scales; quantized by the engine's capture "
+                        "writer) or auto (the default: float8_e4m3 for a bfloat16 or float16 target, as captured for "
+                        "a float32 one; a rerun keeps what the dataset holds)")
     parser.add_argument("--retries", type=int, default=5, help="retries of a request on transient failures")
     parser.add_argument("--request-timeout-s", type=float, default=600.0)
     parser.add_argument("--check", action="store_true", help="print what a run would do as JSON; send nothing")

@@ -1,7 +1,8 @@
 """How a sample file stores hidden states: as the target computed them, or as float8 with per-token scales.
 
-Every writer (the extraction, ``convert-storage``) builds a sample's tensors with
-``sample_tensors`` and every reader (training, ``verify``, the conversion, ``compare_datasets``)
+Every writer (the engine's capture writer for a float8 extraction, ``capture/writer.py``; the
+extraction client; ``convert-storage``) builds a sample's states with ``quantize_states`` or
+``sample_tensors``, and every reader (training, ``verify``, the conversion, ``compare_datasets``)
 reads one with ``read_sample``; nothing else knows the layout. A sample file holds
 ``input_ids`` [T] int32 and ``loss_mask`` [T] uint8, and, by the dataset's storage dtype:
 
@@ -56,7 +57,8 @@ FLOAT8_TORCH = torch.float8_e4m3fn
 FLOAT8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 SCALE_DTYPE = torch.float32
 SCALE_BYTES = 4
-QUANTIZE_CHUNK = 1 << 19  # elements quantized at once (2 MiB of float32 temporaries)
+QUANTIZE_CHUNK = 1 << 19  # elements quantized at once on a CPU (2 MiB of float32 temporaries)
+QUANTIZE_CHUNK_GPU = 1 << 24  # and on a GPU (64 MiB of float32 temporaries)
 IDS_BYTES = 5  # input_ids int32 + loss_mask uint8, per token
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 HIDDEN_NAMES = ("aux_hidden_states", "last_hidden_states")
@@ -151,17 +153,25 @@ class Layout:
 
 # -- quantize, dequantize ----------------------------------------------------------------------
 def quantize(states: torch.Tensor, slices: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, slices * H] states to (values [T, slices * H] float8_e4m3fn, scales [T, slices] float32)."""
+    """[T, slices * H] states to (values [T, slices * H] float8_e4m3fn, scales [T, slices] float32).
+
+    On any device, with the same bits on each: every step is exact (abs, max, casts) or one
+    IEEE-rounded float32 division (``scale = absmax / 448``, ``x / scale``) or round-to-nearest-even
+    into e4m3fn. Both divisions divide by a tensor on the states' device: torch turns a division
+    by a Python number on a GPU into a multiplication by its reciprocal, which rounds differently.
+    """
     tokens, width = states.shape
     values = torch.empty((tokens, width), dtype=FLOAT8_TORCH, device=states.device)
     scales = torch.empty((tokens, slices), dtype=SCALE_DTYPE, device=states.device)
-    # A few rows at a time: the float32 temporaries stay in the CPU's cache (4 times faster than
-    # whole, measured on a Kimi-shaped sample); every row is quantized on its own anyway.
-    step = max(1, QUANTIZE_CHUNK // width)
+    limit = torch.tensor(FLOAT8_MAX, dtype=SCALE_DTYPE, device=states.device)
+    # A few rows at a time: on a CPU the float32 temporaries stay in its cache (4 times faster than
+    # whole, measured on a Kimi-shaped sample); on a GPU they stay small beside the server's memory.
+    chunk = QUANTIZE_CHUNK if states.device.type == "cpu" else QUANTIZE_CHUNK_GPU
+    step = max(1, chunk // width)
     for start in range(0, tokens, step):
         rows = states[start:start + step].reshape(-1, slices, width // slices)  # [t, k, H]
         absmax = rows.abs().amax(dim=-1).to(SCALE_DTYPE)  # [t, k]
-        scale = absmax / FLOAT8_MAX
+        scale = absmax / limit
         divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
         # In float32, in place: a bf16 tensor divided by a float32 one takes 4 times longer on a CPU.
         scaled = rows.to(SCALE_DTYPE, copy=True).div_(divisor[..., None])
@@ -179,6 +189,15 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     return restored.reshape(tokens, width).to(dtype)
 
 
+def quantize_states(aux: torch.Tensor, last: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``aux`` [T, n_aux * H] and ``last`` [T, H] as a float8 sample stores them (values and scales,
+    in file order), on their device: the capture writer calls it on the engine's GPU."""
+    aux_values, aux_scales = quantize(aux, aux.shape[1] // last.shape[1])
+    last_values, last_scales = quantize(last, 1)
+    return {"aux_hidden_states": aux_values, "aux_hidden_scales": aux_scales,
+            "last_hidden_states": last_values, "last_hidden_scales": last_scales}
+
+
 def sample_tensors(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor, last: torch.Tensor,
                    storage_dtype: str | None = None) -> dict[str, torch.Tensor]:
     """The tensors of a sample file, in file order: the states quantized when ``storage_dtype`` is FLOAT8.
@@ -189,10 +208,30 @@ def sample_tensors(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.
     tensors = {"input_ids": input_ids, "loss_mask": loss_mask}
     if storage_dtype != FLOAT8:
         return {**tensors, "aux_hidden_states": aux, "last_hidden_states": last}
-    aux_values, aux_scales = quantize(aux, aux.shape[1] // last.shape[1])
-    last_values, last_scales = quantize(last, 1)
-    return {**tensors, "aux_hidden_states": aux_values, "aux_hidden_scales": aux_scales,
-            "last_hidden_states": last_values, "last_hidden_scales": last_scales}
+    return {**tensors, **quantize_states(aux, last)}
+
+
+def check_quantized_states(states: dict[str, torch.Tensor], layout: Layout, tokens: int) -> str | None:
+    """What is wrong with states an engine quantized (``quantize_states``'s dict; None: nothing).
+
+    Cheap on purpose (no pass over the values): a slice holding NaN or inf has a NaN or inf
+    absmax, so finite scales mean finite states, and the values are clamped into e4m3fn's range.
+    """
+    for name, (shape, dtype) in layout.expected(tokens).items():
+        if name in ("input_ids", "loss_mask"):
+            continue
+        got = states.get(name)
+        if got is None:
+            return f"lacks {name}"
+        if tuple(got.shape) != shape or got.dtype != dtype:
+            return f"{name} is {tuple(got.shape)} {_dtype_name(got.dtype)}, expected {shape} {_dtype_name(dtype)}"
+    for name in SCALE_NAMES.values():
+        scales = states[name]
+        if not bool(torch.isfinite(scales).all()):
+            return f"{name.replace('_scales', '_states')} has NaN or inf values (a scale is {scales.max().item()})"
+        if bool((scales < 0).any()):
+            return f"{name} has a negative scale"
+    return None
 
 
 # -- reading ------------------------------------------------------------------------------------

@@ -90,6 +90,13 @@ def write_sample(path: Path, input_ids: torch.Tensor, loss_mask: torch.Tensor, a
     name (``convert-storage`` journals the new checksum there).
     """
     tensors = storage.sample_tensors(input_ids, loss_mask, aux, last, storage_dtype)
+    return write_tensors(path, tensors, metadata, on_written)
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
+                  on_written: Callable[[int, str], None] | None = None) -> tuple[int, str]:
+    """``write_sample`` for tensors already in the file's layout (``storage.sample_tensors``'s, or
+    the states an engine quantized, with the ids and mask first)."""
     digest = hashlib.sha256()
     sizes = []
 

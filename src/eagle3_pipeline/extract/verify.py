@@ -71,6 +71,18 @@ def check_capture(aux: torch.Tensor, last: torch.Tensor, tokens: int, n_aux: int
             raise SampleRejected("non_finite", f"{name} has {int((~finite).sum())} NaN/inf values, first at {bad}")
 
 
+def check_capture_last(last: torch.Tensor, tokens: int, hidden: int) -> None:
+    """Facts 2 and 3 for the last states of a capture the engine quantized (its aux states are
+    checked with their scales, ``storage.check_quantized_states``)."""
+    if tuple(last.shape) != (tokens, hidden) or not last.dtype.is_floating_point:
+        raise SampleRejected("capture_shape", f"capture's unquantized last states are {tuple(last.shape)} "
+                             f"{last.dtype}, expected ({tokens}, {hidden})")
+    finite = torch.isfinite(last)
+    if not bool(finite.all()):
+        raise SampleRejected("non_finite", f"last_hidden_states has {int((~finite).sum())} NaN/inf values, first at "
+                             f"{(~finite).nonzero()[0].tolist()}")
+
+
 def engine_top1(meta: dict, tokens: int, start: int) -> list[int]:
     """The engine's top-1 token for rows ``start .. tokens - 1`` (see the module docstring)."""
     inputs = meta.get("input_top_logprobs") or []
