@@ -352,7 +352,8 @@ def test_verify_passes_and_a_rerun_changes_nothing_and_check_says_complete(refer
     assert check.returncode == 0, check.stderr
     assert json.loads(check.stdout) == {
         "part": "0/1", "records": NUM_SAMPLES, "samples": NUM_SAMPLES, "skipped": 0, "stored": NUM_SAMPLES,
-        "todo": 0, "todo_tokens": 0, "estimated_bytes": 0, "complete": True, "offline": False,
+        "todo": 0, "todo_tokens": 0, "estimated_bytes": 0, "storage_dtype": "float32", "complete": True,
+        "offline": False,
     }
     assert snapshot(reference_run) == before
 
@@ -831,6 +832,10 @@ def test_float8_extraction_verifies_first_and_stores_what_convert_storage_makes_
     assert rerun.returncode == 0, rerun.stderr
     assert f"{NUM_SAMPLES} already stored" in rerun.stderr
     assert snapshot(out) == before
+    # The default (auto) keeps a float32 target's states as captured for a new dataset, but a rerun
+    # into this one continues it as it is stored: float8, complete.
+    check = json.loads(run_cli([*extract_command(dataset, out, servers["main"].url), "--check"]).stdout)
+    assert (check["storage_dtype"], check["complete"], check["stored"]) == (FLOAT8, True, NUM_SAMPLES)
 
 
 def test_convert_storage_killed_at_random_moments_then_rerun_ends_identical_to_an_uninterrupted_one(

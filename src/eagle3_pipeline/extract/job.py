@@ -501,10 +501,10 @@ class SampleWorker:
             last = tensors.pop(UNQUANTIZED_LAST)
             problem = storage.check_quantized_states(tensors, self.layout, tokens)
             if problem:
-                raise verify.SampleRejected("capture_shape" if "NaN" not in problem else "non_finite",
+                raise verify.SampleRejected("non_finite" if "NaN or inf" in problem else "capture_shape",
                                             f"float8 capture: {problem}")
             verify.check_capture_last(last, tokens, self.hidden)
-            states = tensors
+            states = {name: tensors[name] for name in storage.FLOAT8_FILE_ORDER}  # the file order, named
         else:
             aux, last = tensors["aux_hidden_states"], tensors["last_hidden_states"]
             verify.check_capture(aux, last, tokens, self.n_aux, self.hidden)
@@ -782,6 +782,7 @@ def check_status(cfg: ExtractConfig, offline: bool = False, engine: str | None =
         "todo": len(plan.todo),
         "todo_tokens": sum(len(p.input_ids) for p in plan.todo),
         "estimated_bytes": estimate_bytes(sum(len(p.input_ids) for p in plan.todo), plan.settings),
+        "storage_dtype": plan.settings.get("storage_dtype") or plan.settings["dtype"],  # what auto resolved to
         "complete": not plan.todo and manifest.is_file(),
         "offline": offline,
     }

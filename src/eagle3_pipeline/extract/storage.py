@@ -63,6 +63,8 @@ IDS_BYTES = 5  # input_ids int32 + loss_mask uint8, per token
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 HIDDEN_NAMES = ("aux_hidden_states", "last_hidden_states")
 SCALE_NAMES = {"aux_hidden_states": "aux_hidden_scales", "last_hidden_states": "last_hidden_scales"}
+# A float8 sample file's states, in file order (after input_ids and loss_mask).
+FLOAT8_FILE_ORDER = ("aux_hidden_states", "aux_hidden_scales", "last_hidden_states", "last_hidden_scales")
 # While ``convert-storage`` runs (or after it was killed), its journal is in the dataset directory:
 # some files are converted, the manifest still describes the others. Its presence is the sign.
 CONVERSION_JOURNAL = "storage-conversion.journal.jsonl"
@@ -194,8 +196,7 @@ def quantize_states(aux: torch.Tensor, last: torch.Tensor) -> dict[str, torch.Te
     in file order), on their device: the capture writer calls it on the engine's GPU."""
     aux_values, aux_scales = quantize(aux, aux.shape[1] // last.shape[1])
     last_values, last_scales = quantize(last, 1)
-    return {"aux_hidden_states": aux_values, "aux_hidden_scales": aux_scales,
-            "last_hidden_states": last_values, "last_hidden_scales": last_scales}
+    return dict(zip(FLOAT8_FILE_ORDER, (aux_values, aux_scales, last_values, last_scales)))
 
 
 def sample_tensors(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor, last: torch.Tensor,
