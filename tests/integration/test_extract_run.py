@@ -49,13 +49,14 @@ SHM = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else None
 class ReferenceServer:
     """An ``eagle3-pipeline serve-reference`` subprocess; ``wait_ready`` learns its port from its log."""
 
-    def __init__(self, name: str, model_dir: Path, workdir: Path, aux_layers=AUX_LAYERS, capture_dir=None):
+    def __init__(self, name: str, model_dir: Path, workdir: Path, aux_layers=AUX_LAYERS, capture_dir=None,
+                 cli: list[str] = CLI):
         self.name = name
         self.capture_dir = Path(capture_dir or tempfile.mkdtemp(prefix=f"e3x-test-{name}-", dir=SHM))
         self.log_file = workdir / f"server-{name}.log"
         self.stderr = open(workdir / f"server-{name}.stderr", "w")  # noqa: SIM115 - closed in stop()
         command = [
-            *CLI, "serve-reference", "--model-path", str(model_dir), "--port", "0",
+            *cli, "serve-reference", "--model-path", str(model_dir), "--port", "0",
             "--capture-dir", str(self.capture_dir), "--aux-layers", ",".join(map(str, aux_layers)),
             "--max-batch-size", "1", "--log-file", str(self.log_file),
         ]  # fmt: skip
@@ -787,8 +788,15 @@ def data_files(out: Path) -> dict[str, bytes]:
             if p.is_file() and p.suffix not in (".lock", ".log") and not p.name.endswith(".progress.json")}
 
 
+# The command line of a server whose capture writer ignores the float8 request ids, as one of a
+# release before the writer quantized.
+OLDER_WRITER_CLI = [sys.executable, "-c", "import sys; import eagle3_pipeline.capture.writer as writer; "
+                    "writer.wants_float8 = lambda rid: False; from eagle3_pipeline.cli import main; "
+                    "sys.exit(main(sys.argv[1:]))"]
+
+
 def test_float8_extraction_verifies_first_and_stores_what_convert_storage_makes_of_the_unquantized_run(
-    reference_run, dataset, servers, tmp_path
+    reference_run, dataset, servers, tiny_model, tmp_path
 ):
     from eagle3_pipeline.extract.storage import compare_datasets  # noqa: PLC0415
 
@@ -815,9 +823,24 @@ def test_float8_extraction_verifies_first_and_stores_what_convert_storage_makes_
     assert converting.returncode == 0, converting.stderr
     assert json.loads(converting.stdout)["converted"] == NUM_SAMPLES
     ours, theirs = data_files(out), data_files(converted)
-    for name in ["data_config.json", "extraction.json", "token_counts.safetensors", "parts/part-0-of-1.json",
-                 *(entry["file"] for shard in data["shards"].values() for entry in shard["files"])]:
+    data_names = ["data_config.json", "extraction.json", "token_counts.safetensors", "parts/part-0-of-1.json",
+                  *(entry["file"] for shard in data["shards"].values() for entry in shard["files"])]
+    for name in data_names:
         assert ours[name] == theirs[name], f"{name}: the conversion differs from the float8 extraction"
+    # An engine running a release whose capture writer predates quantizing (it ignores the ".f8" of
+    # the ids and sends the states as captured): the client quantizes them, to the same bytes.
+    older = ReferenceServer("older-writer", tiny_model, tmp_path, cli=OLDER_WRITER_CLI)
+    try:
+        older.wait_ready()
+        from_older = run_cli(extract_command(dataset, tmp_path / "fp8-older", older.url, "--storage-dtype", FLOAT8))
+    finally:
+        older.stop()
+    assert from_older.returncode == 0, from_older.stderr
+    assert f"float8: 0 samples quantized by the engine's capture writer, {NUM_SAMPLES} here on the CPU (slower" \
+        in from_older.stderr
+    older_files = data_files(tmp_path / "fp8-older")
+    for name in data_names:  # the journal's lines come in the order the samples were done
+        assert older_files[name] == ours[name], f"{name}: the client's quantization differs from the engine's"
     compared = compare_datasets(reference_run, out)
     assert compared["quantized"]["formula_bytes_per_token"] == 1045
     assert compared["reference"]["formula_bytes_per_token"] == 4101
