@@ -108,17 +108,22 @@ def test_a_float8_request_gets_its_states_as_a_float8_sample_stores_them_and_its
 
 
 def test_states_an_engine_quantized_are_checked_by_their_scales():
-    from eagle3_pipeline.extract.storage import Layout, check_quantized_states, quantize_states  # noqa: PLC0415
+    from eagle3_pipeline.extract.storage import Layout, check_quantized_sample, quantize_states  # noqa: PLC0415
+
+    def check(aux, last, tokens=9, drop=None):
+        states = quantize_states(aux, last)
+        states.pop(drop, None)
+        ids = torch.zeros(tokens, dtype=torch.int32)
+        return check_quantized_sample({"input_ids": ids, "loss_mask": ids.to(torch.uint8), **states}, layout, tokens)
 
     aux, last = states_with_every_kind_of_value()
     layout = Layout(n_aux=3, hidden=32, dtype="bfloat16", storage="float8_e4m3")
-    assert check_quantized_states(quantize_states(aux, last), layout, 9) is None
-    assert "expected (8, 96)" in check_quantized_states(quantize_states(aux, last), layout, 8)
+    assert check(aux, last) is None
+    reason, detail = check(aux, last, tokens=8)
+    assert reason == "capture_shape" and "expected (8, 96)" in detail
     bad = aux.clone()
     bad[4, 40] = float("nan")
-    assert "aux_hidden_states has NaN or inf" in check_quantized_states(quantize_states(bad, last), layout, 9)
+    assert check(bad, last) == ("non_finite", "aux_hidden_states has NaN or inf values (its scales are not finite)")
     bad[4, 40] = float("inf")
-    assert "aux_hidden_states has NaN or inf" in check_quantized_states(quantize_states(bad, last), layout, 9)
-    states = quantize_states(aux, last)
-    del states["last_hidden_scales"]
-    assert check_quantized_states(states, layout, 9) == "lacks last_hidden_scales"
+    assert check(bad, last)[0] == "non_finite" and "aux_hidden_states has NaN or inf" in check(bad, last)[1]
+    assert check(aux, last, drop="last_hidden_scales")[1].startswith("lacks last_hidden_scales")

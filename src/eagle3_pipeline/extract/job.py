@@ -185,9 +185,11 @@ def resolve_storage_dtype(requested: str, target_dtype: str, output_dir: Path) -
     states: float8 would drop 20 of its 24 mantissa bits, not 5 of bfloat16's 8, and a CPU
     training reads float8 slower (it dequantizes on the CPU).
     """
+    from eagle3_pipeline.extract.store import SETTINGS_FILE  # noqa: PLC0415
+
     if requested != AUTO_STORAGE:
         return requested
-    recorded = Path(output_dir) / "extraction.json"  # store.SETTINGS_FILE (store imports torch)
+    recorded = Path(output_dir) / SETTINGS_FILE
     if recorded.is_file():
         try:
             return json.loads(recorded.read_text()).get("storage_dtype") or STORAGE_DTYPES[0]
@@ -447,7 +449,7 @@ class SampleWorker:
         from safetensors.torch import load_file  # noqa: PLC0415
 
         from eagle3_pipeline.capture.writer import FLOAT8_RID_SUFFIX, capture_path, incomplete_path  # noqa: PLC0415
-        from eagle3_pipeline.extract import store, verify  # noqa: PLC0415
+        from eagle3_pipeline.extract import storage, store, verify  # noqa: PLC0415
 
         index = self.cfg.part[0]
         rid = f"{RID_PREFIX}-{index}-{self.run_id}-{prep.key[:16]}-{attempt}"
@@ -463,21 +465,18 @@ class SampleWorker:
             meta = answer["meta_info"]
             verify.check_meta(meta, tokens)
             path = self._wait_capture(rid)
-            captured, states = self._checked_capture(load_file(str(path)), tokens)
-            agreement = verify.check_top1(captured, self.lm_head, start, verify.engine_top1(meta, tokens, start),
-                                          self.cfg.verify_tolerance)
             ids = torch.frombuffer(bytearray(prep.input_ids.tobytes()), dtype=torch.int32)
             mask = torch.frombuffer(bytearray(prep.loss_mask.tobytes()), dtype=torch.uint8)
-            metadata = {"format": store.FORMAT, "id": prep.sample_id, "line": str(prep.line), "key": prep.key}
-            quantizer = "engine" if "aux_hidden_scales" in states else "client"
-            if quantizer == "engine" or not self.layout.quantized:  # stored as the capture holds them
-                size, sha = store.write_tensors(self.cfg.output_dir / prep.file,
-                                                {"input_ids": ids, "loss_mask": mask, **states}, metadata)
-            else:  # float8 asked of an engine whose writer does not quantize: quantized here, after the checks
-                size, sha = store.write_sample(self.cfg.output_dir / prep.file, ids, mask,
-                                               states["aux_hidden_states"], states["last_hidden_states"], metadata,
-                                               self.layout.storage)
-            if self.layout.quantized:
+            last, sample, quantizer = self._checked_capture(load_file(str(path)), ids, mask)
+            agreement = verify.check_top1(last, self.lm_head, start, verify.engine_top1(meta, tokens, start),
+                                          self.cfg.verify_tolerance)
+            if self.layout.quantized and quantizer is None:  # an engine whose writer does not quantize
+                sample = storage.sample_tensors(ids, mask, sample["aux_hidden_states"], last, self.layout.storage)
+                quantizer = "client"
+            size, sha = store.write_tensors(
+                self.cfg.output_dir / prep.file, sample,
+                {"format": store.FORMAT, "id": prep.sample_id, "line": str(prep.line), "key": prep.key})
+            if quantizer:
                 with self.count_lock:
                     self.quantized_by[quantizer] += 1
         finally:
@@ -491,27 +490,34 @@ class SampleWorker:
             "attempts": attempt + 1,
         }
 
-    def _checked_capture(self, tensors: dict, tokens: int) -> tuple:
-        """(the last states as the engine computed them, for the top-1 check; the states to store),
-        after the shape, dtype and finiteness checks; a float8 capture's states are as stored."""
+    def _checked_capture(self, tensors: dict, ids, mask) -> tuple:
+        """(the last states as the engine computed them, for the top-1 check; the sample's tensors in
+        file order; "engine" when the engine quantized them, else None), once shapes, dtypes and
+        finiteness are checked."""
         from eagle3_pipeline.capture.writer import UNQUANTIZED_LAST  # noqa: PLC0415
         from eagle3_pipeline.extract import storage, verify  # noqa: PLC0415
 
+        tokens = len(ids)
         if UNQUANTIZED_LAST in tensors:  # quantized by the engine (its rid asked so)
             last = tensors.pop(UNQUANTIZED_LAST)
-            problem = storage.check_quantized_states(tensors, self.layout, tokens)
+            sample = {"input_ids": ids, "loss_mask": mask,
+                      **{name: tensors[name] for name in storage.FLOAT8_FILE_ORDER if name in tensors}}
+            problem = storage.check_quantized_sample(sample, self.layout, tokens)
             if problem:
-                raise verify.SampleRejected("non_finite" if "NaN or inf" in problem else "capture_shape",
-                                            f"float8 capture: {problem}")
-            verify.check_capture_last(last, tokens, self.hidden)
-            states = {name: tensors[name] for name in storage.FLOAT8_FILE_ORDER}  # the file order, named
+                raise verify.SampleRejected(problem[0], f"float8 capture: {problem[1]}")
+            if tuple(last.shape) != (tokens, self.hidden):
+                raise verify.SampleRejected("capture_shape", f"capture's unquantized last states are "
+                                            f"{tuple(last.shape)}, expected ({tokens}, {self.hidden})")
+            verify.check_finite("last_hidden_states", last)
+            quantizer = "engine"
         else:
             aux, last = tensors["aux_hidden_states"], tensors["last_hidden_states"]
             verify.check_capture(aux, last, tokens, self.n_aux, self.hidden)
-            states = {"aux_hidden_states": aux, "last_hidden_states": last}
+            sample = {"input_ids": ids, "loss_mask": mask, "aux_hidden_states": aux, "last_hidden_states": last}
+            quantizer = None
         if str(last.dtype).removeprefix("torch.") != self.dtype:
             raise verify.SampleRejected("capture_dtype", f"capture is {last.dtype}, the dataset is {self.dtype}")
-        return last, states
+        return last, sample, quantizer
 
     def __call__(self, prep: Prepared) -> dict | None:
         """The sample's journal record, or None when it was not sent (the run is stopping)."""

@@ -212,26 +212,22 @@ def sample_tensors(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.
     return {**tensors, **quantize_states(aux, last)}
 
 
-def check_quantized_states(states: dict[str, torch.Tensor], layout: Layout, tokens: int) -> str | None:
-    """What is wrong with states an engine quantized (``quantize_states``'s dict; None: nothing).
+def check_quantized_sample(tensors: dict[str, torch.Tensor], layout: Layout, tokens: int) -> tuple[str, str] | None:
+    """What is wrong with a float8 sample an engine quantized, before it is stored: (reason, detail), or None.
 
-    Cheap on purpose (no pass over the values): a slice holding NaN or inf has a NaN or inf
-    absmax, so finite scales mean finite states, and the values are clamped into e4m3fn's range.
+    Names, shapes and dtypes as ``check_tensors``; the values through their scales only, with no
+    pass over them: a slice holding NaN or inf has a NaN or inf absmax, so finite scales mean
+    finite states (and ``quantize`` clamps the values into e4m3fn's range).
     """
-    for name, (shape, dtype) in layout.expected(tokens).items():
-        if name in ("input_ids", "loss_mask"):
-            continue
-        got = states.get(name)
-        if got is None:
-            return f"lacks {name}"
-        if tuple(got.shape) != shape or got.dtype != dtype:
-            return f"{name} is {tuple(got.shape)} {_dtype_name(got.dtype)}, expected {shape} {_dtype_name(dtype)}"
-    for name in SCALE_NAMES.values():
-        scales = states[name]
+    problem = check_tensors(tensors, layout, tokens, ".")
+    if problem:
+        return "capture_shape", problem
+    for name, scales_name in SCALE_NAMES.items():
+        scales = tensors[scales_name]
         if not bool(torch.isfinite(scales).all()):
-            return f"{name.replace('_scales', '_states')} has NaN or inf values (a scale is {scales.max().item()})"
+            return "non_finite", f"{name} has NaN or inf values (its scales are not finite)"
         if bool((scales < 0).any()):
-            return f"{name} has a negative scale"
+            return "capture_shape", f"{scales_name} has a negative scale"
     return None
 
 

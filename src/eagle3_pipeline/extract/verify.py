@@ -64,23 +64,16 @@ def check_capture(aux: torch.Tensor, last: torch.Tensor, tokens: int, n_aux: int
         )
     if aux.dtype != last.dtype or not aux.dtype.is_floating_point:
         raise SampleRejected("capture_dtype", f"capture dtypes are {aux.dtype} and {last.dtype}")
-    for name, tensor in (("aux_hidden_states", aux), ("last_hidden_states", last)):
-        finite = torch.isfinite(tensor)
-        if not bool(finite.all()):
-            bad = (~finite).nonzero()[0].tolist()
-            raise SampleRejected("non_finite", f"{name} has {int((~finite).sum())} NaN/inf values, first at {bad}")
+    check_finite("aux_hidden_states", aux)
+    check_finite("last_hidden_states", last)
 
 
-def check_capture_last(last: torch.Tensor, tokens: int, hidden: int) -> None:
-    """Facts 2 and 3 for the last states of a capture the engine quantized (its aux states are
-    checked with their scales, ``storage.check_quantized_states``)."""
-    if tuple(last.shape) != (tokens, hidden) or not last.dtype.is_floating_point:
-        raise SampleRejected("capture_shape", f"capture's unquantized last states are {tuple(last.shape)} "
-                             f"{last.dtype}, expected ({tokens}, {hidden})")
-    finite = torch.isfinite(last)
+def check_finite(name: str, tensor: torch.Tensor) -> None:
+    """Fact 3 for one tensor: no NaN, no infinity."""
+    finite = torch.isfinite(tensor)
     if not bool(finite.all()):
-        raise SampleRejected("non_finite", f"last_hidden_states has {int((~finite).sum())} NaN/inf values, first at "
-                             f"{(~finite).nonzero()[0].tolist()}")
+        bad = (~finite).nonzero()[0].tolist()
+        raise SampleRejected("non_finite", f"{name} has {int((~finite).sum())} NaN/inf values, first at {bad}")
 
 
 def engine_top1(meta: dict, tokens: int, start: int) -> list[int]:
