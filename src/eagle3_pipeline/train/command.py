@@ -221,6 +221,7 @@ def _run_here(args: argparse.Namespace) -> int:
     from eagle3_pipeline.train.data import DataError  # noqa: PLC0415
     from eagle3_pipeline.train.export import ExportError  # noqa: PLC0415
     from eagle3_pipeline.train.model import DrafterConfigError  # noqa: PLC0415
+    from eagle3_pipeline.train.step import leave_process_group  # noqa: PLC0415
     from eagle3_pipeline.train.vocab import VocabError  # noqa: PLC0415
 
     bad_input = (DataError, trainer.TrainConfigError, VocabError, DrafterConfigError, ExportError, FileNotFoundError)
@@ -238,6 +239,8 @@ def _run_here(args: argparse.Namespace) -> int:
             print(json.dumps(trainer.make_plan(cfg, world).status()), flush=True)
             return EXIT_OK
         summary = trainer.train(cfg)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # rank 0 has exported: the processes leave the group together
     except trainer.StopRequested as exc:
         _say(str(exc))
         return EXIT_STOPPED
@@ -251,8 +254,7 @@ def _run_here(args: argparse.Namespace) -> int:
             _note_exit(out_dir, "failed", f"{type(exc).__name__}: {exc}", EXIT_CRASH)
         raise
     finally:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_group()
     if rank == 0:
         _print_summary(summary)
     return EXIT_OK
