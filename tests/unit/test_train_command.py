@@ -219,8 +219,9 @@ def _command_in_a_group(rank: int, port: int, argv: list[str]) -> None:
     from eagle3_pipeline import cli  # noqa: PLC0415
 
     assert cli.main(argv) == 0
-    # The DDP / FSDP drafter held the group in reference cycles. Freed by the command, while the interpreter
-    # runs: at its shutdown, the group's gloo threads can abort the process after a good run (seen in CI).
+    # The training's modules (the DDP / FSDP wrapper holds the group) outlive it in reference cycles. Freed by
+    # the command, while the interpreter runs: at its shutdown, the group's gloo threads can abort the process
+    # after a good run (seen in CI).
     alive = [type(o).__name__ for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
     assert not alive, f"modules left for the interpreter's shutdown: {alive}"
 
