@@ -559,9 +559,13 @@ def _remove_leftovers(cfg: ExtractConfig, plan: Plan) -> None:
 
 
 def _remove_stale_captures(cfg: ExtractConfig) -> None:
-    """Capture files of this part's request ids: none is awaited when no request is in flight."""
-    for entry in Path(cfg.capture_dir).glob(f"{RID_PREFIX}-{cfg.part[0]}-*"):
-        entry.unlink(missing_ok=True)
+    """Capture files of this part's request ids, and the temp files of a server killed while writing
+    one (``.<capture>.*.tmp``, up to a sample's states in /dev/shm): none is awaited when no request is
+    in flight."""
+    prefix = f"{RID_PREFIX}-{cfg.part[0]}-"
+    for pattern in (f"{prefix}*", f".{prefix}*.tmp"):
+        for entry in Path(cfg.capture_dir).glob(pattern):
+            entry.unlink(missing_ok=True)
 
 
 def lock_part(cfg, what: str = "extraction"):
