@@ -456,7 +456,12 @@ def test_a_lost_connection_is_tried_again_over_ssh_with_keepalives_then_the_host
                                                                                        "runner_on_unreachable"]
     retries = [line for line in stdout.splitlines() if line.startswith("[gone] lost the connection (")]
     assert [line.rsplit("(", 1)[1] for line in retries] == ["retry 1 of 3)", "retry 2 of 3)", "retry 3 of 3)"]
-    assert all("Connection refused" in line and "; looking again in 1 s " in line for line in retries), retries
+    # Each line names Ansible's reason. ssh itself says "Connection refused"; but when ssh has quit before
+    # Ansible writes the pipelined module to its stdin, Ansible waits 1 ms for it to exit, and on a loaded
+    # machine it has not: then Ansible reports the failed write, without ssh's message (seen in CI).
+    reasons = ("Connection refused", "Data could not be sent to remote host '127.0.0.1'. Make sure this host can be")
+    assert all(any(reason in line for reason in reasons) and "; looking again in 1 s " in line for line in retries), (
+        "\n".join(retries))
     commands = [line for line in stdout.splitlines() if "SSH: EXEC ssh " in line]
     assert len(commands) >= 4, stdout  # the first try and the three again
     for option in ("-C", "-o ControlMaster=auto", "-o ControlPersist=60s", "-o ServerAliveInterval=30",
