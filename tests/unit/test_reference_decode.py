@@ -158,7 +158,7 @@ def test_concurrent_generate_requests_equal_full_forward_greedy_and_join_the_run
     log_file = tmp_path / "server.log"
     command = [sys.executable, "-m", "eagle3_pipeline.engine.reference_server", "--model-path", str(tiny_model),
                "--port", "0", "--device", "cpu", "--dtype", "float32", "--max-batch-size", "16",
-               "--log-file", str(log_file)]
+               "--log-file", str(log_file), "--log-level", "debug"]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -180,11 +180,13 @@ def test_concurrent_generate_requests_equal_full_forward_greedy_and_join_the_run
             connection.close()
 
         # The first request decodes its whole budget, end token or not (the tiny model is built on each
-        # machine: where its answer ends early, 80 tokens were over before the others came); 320 tokens
-        # take far longer than 0.3 s on any CPU. The others arrive while it decodes, and join it.
+        # machine: where its answer ends early, 80 tokens were over before the others came). The others
+        # are sent once its prefill is logged: they arrive while it decodes its 320 tokens, and join it.
         first = threading.Thread(target=send, args=(0, FIRST_BUDGET, True))
         first.start()
-        time.sleep(0.3)
+        while "prefill of 1 request(s)" not in log_file.read_text():
+            assert first.is_alive() and time.monotonic() < deadline + START_TIMEOUT_S, log_file.read_text()
+            time.sleep(0.01)
         others = [threading.Thread(target=send, args=(i, 24)) for i in range(1, len(prompts))]
         for thread in others:
             thread.start()

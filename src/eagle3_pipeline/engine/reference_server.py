@@ -409,11 +409,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key-env", default=None, metavar="NAME",
                         help="require 'Authorization: Bearer <key>', the key read from this environment variable")
     parser.add_argument("--log-file", default=None, help="also write the log to this file")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
+                        help="as SGLang's: debug adds a line for each request and each batch's prefill")
     parser.add_argument("--shutdown-grace-s", type=float, default=30.0,
                         help="on SIGTERM, how long running requests may take to finish")
 
 
-def _setup_logging(log_file: str | None) -> None:
+def _setup_logging(log_file: str | None, level: str = "info") -> None:
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_file:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
@@ -422,13 +424,13 @@ def _setup_logging(log_file: str | None) -> None:
     for handler in handlers:
         handler.setFormatter(formatter)
         LOG.addHandler(handler)
-    LOG.setLevel(logging.INFO)
+    LOG.setLevel(getattr(logging, level.upper()))
     LOG.propagate = False
 
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or SIGINT; 0 on a clean stop, 2 on a bad setting."""
-    _setup_logging(args.log_file)
+    _setup_logging(args.log_file, args.log_level)
     api_key = None
     if args.api_key_env:
         api_key = os.environ.get(args.api_key_env) or None
