@@ -246,6 +246,13 @@ class Stage(abc.ABC):
                     "no supervisor record %s: the %s job was never started under that name and state "
                     "directory; start it (the %s role does) before waiting for it" % (job_file, self.job, self.role))
         state, mine = assess_by_pid(progress) if job is None else self.assess(progress, job)
+        if state == "dead" and job is not None and job.get("exit_code") is None:
+            # The supervisor may have recorded the exit, and ended, between the read and the look at its
+            # process: read its record again before saying it recorded none.
+            again = read_json(job_file)
+            if again is not None and again.get("exit_code") is not None:
+                job = again
+                state, mine = self.assess(progress, job)
         return progress, job, state, mine
 
     @property

@@ -20,8 +20,10 @@ from types import ModuleType
 import extraction_progress
 import pytest
 import training_progress
+from ansible.module_utils import job_progress
 from ansible.module_utils.job_progress import wait_for_change
 from module_runs import POLL_S, WAIT_S, run_module
+from process_checks import state as process_state
 from process_checks import wait_for
 from supervised_jobs import JOB, Jobs
 
@@ -195,6 +197,30 @@ def test_a_job_killed_alone_is_dead_naming_the_signal(stage, jobs, capsys):
     assert stage.killed in result["msg"]
 
 
+def test_an_exit_recorded_between_the_looks_two_reads_is_named(stage, jobs, capsys, monkeypatch):
+    # The look reads the supervisor's record, then whether its processes run. Here the record it read
+    # first says no exit yet, and by the time it looks, the supervisor has recorded the kill and ended.
+    record = jobs.start(said(stage, "running"), "sleep")
+    os.kill(record["pid"], signal.SIGKILL)
+    ended = jobs.wait_ended()
+    wait_for(lambda: process_state(ended["supervisor_pid"]) is None, 20, "the supervisor to end")
+    read_json, job_file, reads = job_progress.read_json, str(jobs.state_dir / "job.json"), []
+
+    def first_read_before_the_exit(path):
+        found = read_json(path)
+        if path == job_file:
+            reads.append(path)
+            if len(reads) == 1:
+                return {**found, "exit_code": None}
+        return found
+
+    monkeypatch.setattr(job_progress, "read_json", first_read_before_the_exit)
+    code, result = run_module(stage.module, jobs.args(), capsys)
+    assert len(reads) == 2, "the record was read again"
+    assert code == 1 and result["state"] == "dead"
+    assert stage.killed in result["msg"] and "recorded no exit code" not in result["msg"], result["msg"]
+
+
 def test_a_job_killed_with_its_supervisor_is_dead_although_no_exit_was_recorded(stage, jobs, capsys):
     record = jobs.start(said(stage, "running"), "sleep")
 
@@ -224,11 +250,20 @@ def test_a_previous_runs_progress_is_not_taken_for_the_new_jobs(stage, jobs, cap
     assert result["msg"] == stage.starting
 
 
-def test_the_wait_returns_when_the_job_first_reports(stage, jobs, capsys):
-    # The job sleeps a second before its first report: "running" can only be seen after it.
-    script = "import time; time.sleep(1.0)\n" + JOB
+def test_the_wait_returns_when_the_job_first_reports(stage, jobs, capsys, monkeypatch, tmp_path):
+    # The job makes its first report only once the wait has looked: "running" can only be seen after it.
+    gate = tmp_path / "looked"
+    script = f"import os, time\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.01)\n" + JOB
     jobs.run("job", sys.executable, "-c", script, str(jobs.progress_file), json.dumps(said(stage, "running")),
              "sleep", "self")
+    read_status = job_progress.Stage.read_status
+
+    def look_then_open_the_gate(self, job_file=None):
+        found = read_status(self, job_file)
+        gate.touch()
+        return found
+
+    monkeypatch.setattr(job_progress.Stage, "read_status", look_then_open_the_gate)
 
     code, result = run_module(stage.module, jobs.args(wait_s=WAIT_S, poll_s=0.05), capsys)
 
