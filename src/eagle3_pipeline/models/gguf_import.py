@@ -78,8 +78,13 @@ class BadInput(GgufImportError):
     exit_code = EXIT_BAD_INPUT
 
 
-class Stopped(GgufImportError):
-    """SIGTERM arrived: the conversion was abandoned, nothing written at the output."""
+class Stopped(BaseException):
+    """SIGTERM arrived: the conversion was abandoned, nothing written at the output.
+
+    Raised by the signal handler wherever the conversion is, often inside transformers: a
+    BaseException (as KeyboardInterrupt), so that no library's ``except Exception`` takes it for an
+    error of its own and goes on, or turns it into another error.
+    """
 
     exit_code = EXIT_STOPPED
 
@@ -589,7 +594,7 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_OK
         signal.signal(signal.SIGTERM, _stop_on_sigterm)
         outcome = import_gguf(args.gguf, args.output, dtype=args.dtype, force=args.force)
-    except GgufImportError as exc:
+    except (GgufImportError, Stopped) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     except OSError as exc:  # disk full, permissions

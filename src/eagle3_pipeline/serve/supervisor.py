@@ -134,13 +134,20 @@ class Service:
         for fd in (0, 1, 2):
             os.dup2(null if fd == 0 else log, fd)
         child_env = {**os.environ, **env}
+        # Before the fork: a job's first progress report, however soon, is never older than its start.
+        started_at = time.time()
+        # SIGTERM is held until the child has its default action back: one arriving between the fork and
+        # then would run the supervisor's handler in the child, and be lost.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         try:
             pid = os.fork()
         except OSError as exc:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
             os.write(report_fd, json.dumps({"error": f"fork failed: {exc}"}).encode())
             return
         if pid == 0:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
             try:
                 if cwd:
                     os.chdir(cwd)
@@ -148,6 +155,7 @@ class Service:
             except OSError as exc:
                 print(f"supervisor: cannot execute {argv[0]}: {exc}", file=sys.stderr, flush=True)
             os._exit(127)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         state = {
             "name": self.name,
             "argv": argv,
@@ -159,7 +167,7 @@ class Service:
             "pgid": os.getpgrp(),
             "pid": pid,
             "pid_start_time": _proc_start_time(pid),
-            "started_at": time.time(),
+            "started_at": started_at,
             "exit_code": None,
         }
         self.write(state)
