@@ -25,8 +25,11 @@ ROOT = Path(__file__).resolve().parents[2]
 PLAYBOOK = ROOT / "playbooks" / "gpu_reset.yml"
 INVENTORY = ROOT / "inventory" / "local.yml"
 HOLDER_SCRIPT = ROOT / "tests" / "device_holder.py"
-READY_DEADLINE_S = 10.0
+READY_DEADLINE_S = 60.0  # generous: a loaded CI machine can be slow to start Python
 HOST = "localhost"
+# A holder's own safety net (SIGALRM) should the test run die before its teardown kills it: longer
+# than any playbook run takes on a loaded machine (device_holder's default, 120 s, is not).
+HOLDER_LIFETIME_S = 900
 
 
 def proc_stat(pid: int) -> tuple[str, int, int] | None:
@@ -116,6 +119,7 @@ def start_holder(tmp_path: Path):
         command = [
             sys.executable, str(HOLDER_SCRIPT),
             "--tag", tag, "--hold", str(device), "--ready", str(ready), "--term-marker", str(marker),
+            "--lifetime", str(HOLDER_LIFETIME_S),
         ]  # fmt: skip
         if ignore_term:
             command.append("--ignore-term")

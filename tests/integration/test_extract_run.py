@@ -383,10 +383,14 @@ def test_sigkill_at_random_moments_loses_nothing_and_ends_identical_to_an_uninte
     command = extract_command(dataset, out, servers["main"].url)
     rng = random.Random(4)
     kills = []
+    def recorded() -> int:
+        return sum(1 for record in journal_records(out) if record["status"] == "ok")
+
     while len(kills) < 3:
-        already = len(stored_files(out))
+        # A new sample recorded (its file is in place before its journal line), then the kill a moment later.
+        already = recorded()
         run = background(command, "killed")
-        wait_until(lambda: len(stored_files(out)) > already or not run.running(), "a new sample file")  # noqa: B023
+        wait_until(lambda: recorded() > already or not run.running(), "a new sample recorded")  # noqa: B023
         time.sleep(rng.uniform(0.0, 0.25))
         assert run.running(), f"the run ended before kill {len(kills) + 1}: {run.output()}"
         run.signal(signal.SIGKILL)

@@ -102,6 +102,7 @@ def story(tmp_path_factory):
     try:
         for line in process.stderr:
             if "wrote the checkpoint" in line:  # every file written, not yet checked nor recorded
+                os.killpg(process.pid, signal.SIGSTOP)  # held there while the test looks, then killed
                 break
         staging = [p for p in out.parent.iterdir() if ".staging-" in p.name]
         story["staged"] = sorted(p.name for p in staging[0].iterdir()) if staging else []

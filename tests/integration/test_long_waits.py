@@ -214,6 +214,11 @@ def test_a_job_that_dies_during_the_wait_fails_the_task_with_its_reason(stage, t
     run = BackgroundRun(tmp_path / "runner", playbook, inventory)
 
     run.wait_for_lines(prefix, 2)
+    # The extraction's wait prints a line before the job's first report too: the job dies after one.
+    progress = tmp_path / "out" / ("parts/part-0-of-1.progress.json" if stage == "extraction" else "progress.json")
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not progress.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     (tmp_path / "triggers" / "die").write_text("")
     status = run.finish()
 
@@ -307,6 +312,9 @@ def loading_server(tmp_path):
     with open(log, "wb") as handle:
         popen = subprocess.Popen([sys.executable, "-c", SERVER, str(port), str(directory)], stdout=handle,
                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + RUN_TIMEOUT_S  # it listens before its first line: every answer is then its own
+    while not log.read_text() and popen.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
     yield popen, f"http://127.0.0.1:{port}", directory, log
     if popen.poll() is None:
         os.killpg(popen.pid, signal.SIGKILL)  # not reaped yet: the group is still this server's
@@ -416,7 +424,8 @@ def test_a_measurement_that_fails_names_its_own_error(tmp_path, inventory):
 def test_a_measurement_past_its_timeout_is_stopped_and_says_so(tmp_path, inventory):
     started = tmp_path / "started"
     argv = [sys.executable, "-c", "import sys, time; open(sys.argv[1], 'w').close(); time.sleep(300)", str(started)]
-    run = BackgroundRun(tmp_path / "runner", reference_measurement_playbook(argv, 2, tmp_path), inventory)
+    # 10 s: the host's async wrapper kills the job at the timeout, and the command must have started by then.
+    run = BackgroundRun(tmp_path / "runner", reference_measurement_playbook(argv, 10, tmp_path), inventory)
 
     assert run.finish() == "failed", run.stdout()
     failed = [e["event_data"] for e in run.seen() if e.get("event") == "runner_on_failed"]
@@ -424,7 +433,7 @@ def test_a_measurement_past_its_timeout_is_stopped_and_says_so(tmp_path, invento
     # The host's async wrapper ("Timeout exceeded") or the controller ("async task did not complete ...")
     # notices first; either way there is no exit code to name.
     assert failed[0]["res"]["msg"].startswith(
-        "localhost: eagle3-pipeline evaluate did not finish within evaluation_timeout_s (2 s) and was stopped: "
+        "localhost: eagle3-pipeline evaluate did not finish within evaluation_timeout_s (10 s) and was stopped: "
     ), failed[0]["res"]["msg"]
     assert "exit" not in failed[0]["res"]["msg"]
     assert started.exists(), "the command did start"
@@ -434,9 +443,12 @@ def test_a_lost_connection_is_tried_again_over_ssh_with_keepalives_then_the_host
     # A host reached over SSH whose port takes no connection: every call of the wait fails to connect.
     # The polling plugin resets the connection and tries again (each try a line), then gives up;
     # Ansible's own ssh command line shows the keepalives and multiplexing of ansible.cfg.
+    # The port stays bound, never listening, for the whole test: refused, and no other process can take it.
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
     inventory = tmp_path / "inventory.yml"
     inventory.write_text(json.dumps({"all": {"hosts": {"gone": {
-        "ansible_connection": "ssh", "ansible_host": "127.0.0.1", "ansible_port": free_port(),
+        "ansible_connection": "ssh", "ansible_host": "127.0.0.1", "ansible_port": closed.getsockname()[1],
         "ansible_user": "nobody", "ansible_python_interpreter": sys.executable}}}}))  # fmt: skip
     playbook = json.dumps([{"name": "Wait on a host that went away", "hosts": "gone", "gather_facts": False,
                             "tasks": [{"name": "Wait for the part", "extraction_progress": {
@@ -449,6 +461,7 @@ def test_a_lost_connection_is_tried_again_over_ssh_with_keepalives_then_the_host
         verbosity=3,
         envvars={"ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "PATH": runner_path(), "ANSIBLE_NOCOLOR": "1"},
     )  # fmt: skip
+    closed.close()
     stdout = runner.stdout.read()
 
     assert runner.status == "failed", stdout

@@ -14,8 +14,8 @@ def states(out) -> dict[str, str]:
     return {stage.stage: stage.state for stage in pipeline_status(out)}
 
 
-def by_stage(out) -> dict:
-    return {stage.stage: stage for stage in pipeline_status(out)}
+def by_stage(out, now: float | None = None) -> dict:
+    return {stage.stage: stage for stage in pipeline_status(out, now)}
 
 
 def test_an_empty_output_directory_has_no_stage_started(tmp_path):
@@ -64,7 +64,8 @@ def test_a_running_job_that_stopped_writing_is_flagged(tmp_path):
     write_json(tmp_path / "data" / "parts" / "part-0-of-1.progress.json",
                part_progress("0/1", "running", 3, 10, updated=stale))
 
-    assert "(no update for 600 s: is the job still alive?)" in by_stage(tmp_path)["extract"].summary
+    summary = by_stage(tmp_path, now=stale + 600)["extract"].summary
+    assert "(no update for 600 s: is the job still alive?)" in summary
 
 
 def test_a_failed_extraction_part_shows_its_message(tmp_path):

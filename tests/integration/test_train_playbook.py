@@ -187,6 +187,16 @@ def snapshot(*directories: Path) -> dict[str, int]:
     return {str(p): p.stat().st_mtime_ns for d in directories for p in sorted(d.rglob("*")) if p.is_file()}
 
 
+def exited(state_file: Path, timeout: float = 120.0) -> dict:
+    """The job's supervisor record once it holds the exit code. The wait reports "done" when progress.json says
+    so; the job then prints its summary into its log and exits, and its supervisor records the exit code."""
+    deadline = time.monotonic() + timeout
+    while (job := json.loads(state_file.read_text()))["exit_code"] is None:
+        assert time.monotonic() < deadline, f"the job did not exit within {timeout} s of the play's end: {job}"
+        time.sleep(0.1)
+    return job
+
+
 def metric_records(out: Path, kind: str) -> list[dict]:
     lines = (out / "metrics.jsonl").read_text().splitlines()
     return [record for record in map(json.loads, lines) if record["kind"] == kind]
@@ -235,6 +245,8 @@ def test_check_mode_starts_nothing_then_a_run_trains_the_drafter_and_a_rerun_cha
                      r"[0-9.]+ at 2, [0-9.]+ at 3 drafts per verify\n", summary), summary
     assert "training (step 6): loss " in summary
     assert f"charts: {out}/charts/" in summary
+    (state_file,) = (workdir / "jobs").glob("*.json")
+    assert exited(state_file)["exit_code"] == 0
     before = snapshot(out, workdir / "jobs")
 
     second = run_playbook(tmp_path_factory, extravars)
@@ -276,11 +288,13 @@ def test_a_killed_job_fails_the_play_at_once_and_a_rerun_resumes_from_its_checkp
     )  # fmt: skip
     try:
         deadline = time.monotonic() + checkpoint_within_s
-        while not (out / "checkpoints" / "step-2").is_dir():
+        # Any checkpoint: the trainer keeps only the newest two, so a given one may be gone when a busy poller looks.
+        while not any((out / "checkpoints").glob("step-*")):
             assert thread.is_alive(), runner.stdout.read()
             assert time.monotonic() < deadline, f"no checkpoint within {checkpoint_within_s} s"
             time.sleep(0.1)
         (record,) = [json.loads(p.read_text()) for p in (workdir / "jobs").glob("*.json")]
+        assert record["exit_code"] is None, f"the training ended before the kill: {record}"
         os.kill(record["pid"], signal.SIGKILL)
         killed_at = time.monotonic()
     finally:
@@ -396,7 +410,7 @@ def test_a_rerun_while_the_training_runs_leaves_it_to_the_reset_and_waits_on_it(
     assert {h["pid"] for h in stop["holders"]} == {job["pid"], job["supervisor_pid"]}, (
         "the training was not running when the reset looked: it must outlast the rerun's start"
     )
-    after = json.loads(state_file.read_text())
+    after = exited(state_file)
     assert (after["pid"], after["pid_start_time"]) == (job["pid"], job["pid_start_time"]), (
         f"the job was stopped and another started (its log: {log.read_text()[-2000:]})"
     )

@@ -37,6 +37,7 @@ from ansible.module_utils.pipeline_jobs import (
 from fake_nvml import FakeGpu, FakeNvml
 from module_runs import run_module
 from process_checks import running, wait_for
+from process_checks import state as process_state
 
 CLI = [sys.executable, "-m", "eagle3_pipeline.cli"]
 HOLDER_SCRIPT = Path(__file__).resolve().parents[1] / "device_holder.py"
@@ -335,8 +336,7 @@ def test_a_job_whose_supervisor_was_killed_is_known_by_its_state_file(
 ):
     job = supervisor.start(EXTRACTION, extraction_argv(tmp_path, silent_server.ready["port"]))
     os.kill(job.supervisor_pid, signal.SIGKILL)
-    wait_for(lambda: read_proc(job.supervisor_pid) is None or read_proc(job.supervisor_pid).state == "Z", 10,
-             "the supervisor to die")  # fmt: skip
+    wait_for(lambda: process_state(job.supervisor_pid) in (None, "Z"), 10, "the supervisor to die")
     assert supervisor.status(EXTRACTION)["running"] is True  # what the stage waits on
 
     rc, result = run_module(

@@ -62,7 +62,7 @@ def test_start_is_idempotent_and_stop_takes_the_whole_group(state_dir, tmp_path)
     argv = ["start", "--", sys.executable, "-c", SERVER, str(child_file)]
     first = supervise(state_dir, *argv)
     assert first["changed"] is True and first["running"] is True
-    wait_for(child_file.exists)
+    wait_for(lambda: child_file.exists() and child_file.read_text().strip())  # written when closed
     child = int(child_file.read_text())
     second = supervise(state_dir, *argv)
     assert second["changed"] is False
