@@ -22,6 +22,9 @@ description:
     last updated before the job started (a previous run's) is ignored.
   - On the other nodes of a multi-node run (O(node_rank) > 0), the job's exit code 0 means that
     node's share is done; rank 0, on the first node, writes the progress into the shared output directory.
+  - After the progress says done, the training is done once its job has exited (its GPUs free for the
+    next stage); until then C(msg) ends with C(waiting for the job to exit). A job that exits non-zero
+    after its report, or on rank 0 still runs 120 s after it, is done with a warning naming it.
   - Fails when the training reports C(failed) or C(stopped) (the job was asked to stop), naming the
     job's message, and when O(timeout_s) passes before it is done (the job itself keeps running).
   - When the training is done, returns the last C(train) and C(eval) records of
@@ -66,7 +69,9 @@ EXAMPLES = r"""
 
 RETURN = r"""
 finished:
-  description: Whether the training is done (the job said so in its progress file; on a node of rank > 0, its job exited with 0).
+  description: >-
+    Whether the training is done (the job said so in its progress file, and has exited; on a node of rank > 0,
+    its job exited with 0).
   returned: always
   type: bool
 state:

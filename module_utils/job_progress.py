@@ -259,6 +259,10 @@ class Stage(abc.ABC):
     def role(self):
         return self.job
 
+    def done_warnings(self, progress, job, job_name, log_file):
+        """Warnings for a look that found the job done (none by default)."""
+        return []
+
     def dead_message(self, progress, job, job_name, log_file, log_lines=30):
         """Why the job stopped without finishing: its exit, its last progress, the log's last lines."""
         if job is None:
@@ -356,4 +360,7 @@ def run_module(module, stage):
                                                                 p["log_lines"])))
     if state != "done" and p["timeout_s"] is not None and waited_s >= p["timeout_s"]:
         module.fail_json(**dict(result, msg=stage.timeout_message(mine or None, job, p["timeout_s"])))
+    if state == "done":
+        for warning in stage.done_warnings(mine or None, job, p["name"], log_file):
+            module.warn(warning)
     module.exit_json(**result)

@@ -23,11 +23,13 @@ from __future__ import absolute_import, division, print_function
 
 import json
 import os
+import time
 
 from ansible.module_utils.job_progress import (
     FINAL_STATES,
     ProgressError,
     Stage,
+    describe_exit,
     format_duration,
     job_running,
     number,
@@ -38,6 +40,8 @@ __all__ = [
     "number", "progress_line", "progress_path",
 ]  # fmt: skip
 
+# How long rank 0's wait waits for the job's exit after it reported done (see ``assess``).
+EXIT_GRACE_S = 120.0
 # How much of metrics.jsonl's end is read for the last records (one line is well under 4 KiB).
 METRICS_TAIL_BYTES = 256 * 1024
 # Accuracies shown per position in the progress line; more are cut with an ellipsis.
@@ -94,6 +98,12 @@ def progress_line(progress):
     return line + (", about %s left" % format_duration(eta) if eta is not None else ", time left not known yet")
 
 
+def reported_for_s(progress, now=None):
+    """Seconds since the progress file was written (0 when it says no time)."""
+    updated = number(progress, "updated")
+    return 0.0 if updated is None else (time.time() if now is None else now) - updated
+
+
 def is_this_jobs(progress, job):
     """Whether the progress file was written by this job (or by its rank 0, see the docstring)."""
     if progress is None:
@@ -104,15 +114,25 @@ def is_this_jobs(progress, job):
     return updated is not None and started is not None and updated >= started
 
 
-def assess(progress, job, node_rank=0):
+def assess(progress, job, node_rank=0, now=None):
     """What the progress file and the supervisor's record say together: ``(state, mine)`` as
-    ``Stage.assess`` returns it, on the node of ``node_rank``."""
+    ``Stage.assess`` returns it, on the node of ``node_rank``.
+
+    A job whose progress says done is done once it has exited: after its report the job still
+    leaves its process group, prints its summary and frees its GPUs, and the next stage wants them.
+    Rank 0 waits up to ``EXIT_GRACE_S`` after the report for that exit (a teardown that hangs is
+    then left running, named in a warning; the drafter was exported before the report).
+    """
     mine = progress if is_this_jobs(progress, job) else None
     said = mine.get("state") if mine is not None else None
     exit_code = job.get("exit_code")
     alive = job_running(job)
-    if said in ("failed", "stopped") or (said == "done" and (node_rank == 0 or not alive)):
+    if said in ("failed", "stopped"):
         return said, mine
+    if said == "done":
+        if not alive or (node_rank == 0 and reported_for_s(mine, now) > EXIT_GRACE_S):
+            return "done", mine
+        return "running", mine
     if alive:
         return ("running" if mine is not None else "starting"), mine
     if exit_code == 0 and node_rank == 0 and progress is not None and progress.get("state") == "done":
@@ -192,6 +212,19 @@ class TrainingStage(Stage):
     def progress_line(self, progress):
         return progress_line(progress)
 
+    def done_warnings(self, mine, job, job_name, log_file):
+        """What to say of a training done by its progress whose job did not end cleanly."""
+        if job is None:
+            return []
+        if job.get("exit_code") not in (None, 0):
+            return ["%s %s after it reported done (its drafter was exported and stands); the log says why: %s" % (
+                self.subject(job_name), describe_exit(job["exit_code"], self.exit_meanings), log_file)]
+        if job_running(job):
+            return ["%s still runs %d s after it reported done (its drafter was exported and stands): it is left "
+                    "running, and may still hold its GPUs; see %s" % (
+                        self.subject(job_name), reported_for_s(mine), log_file)]
+        return []
+
     def subject(self, job_name):
         return "the training job%s%s" % (" " + job_name if job_name else "", self.label)
 
@@ -229,4 +262,7 @@ class TrainingStage(Stage):
     def summary(self, mine, state):
         if not mine and state == "done":
             return self.line_prefix + "share done (rank 0 reports the progress)"
-        return self.line_prefix + progress_line(mine or None)
+        line = self.line_prefix + progress_line(mine or None)
+        if state == "running" and mine.get("state") == "done":
+            return line + "; waiting for the job to exit"
+        return line

@@ -53,10 +53,10 @@ def write(**changes):
 document["started"] = time.time()
 print("job: started", flush=True)
 while True:
-    if os.path.exists(os.path.join(triggers, "finish")):
+    if os.path.exists(os.path.join(triggers, "finish")):  # holds the exit code after done ("" for 0)
         write(state="done", **{count_key: document[count_key] + 1})
         print("job: done", flush=True)
-        sys.exit(0)
+        sys.exit(int(open(os.path.join(triggers, "finish")).read() or 0))
     if os.path.exists(os.path.join(triggers, "die")):
         print("fatal: the disk is full", file=sys.stderr, flush=True)
         sys.exit(3)
@@ -206,6 +206,21 @@ def test_a_roles_wait_prints_a_line_per_poll_and_no_retries_then_ends_with_the_j
                                "seconds")]  # fmt: skip
     assert waited["res"]["finished"] is True and waited["res"]["polls"] >= PROGRESS_LINES
     assert waited["res"]["msg"].endswith("done") or ": done in " in waited["res"]["msg"]
+
+
+def test_a_training_that_exits_non_zero_after_reporting_done_is_done_with_a_warning(tmp_path, state_dir, inventory):
+    playbook, prefix = role_wait_playbook("training", tmp_path, state_dir)
+    run = BackgroundRun(tmp_path / "runner", playbook, inventory)
+
+    run.wait_for_lines(prefix, 2)
+    (tmp_path / "triggers" / "finish").write_text("1")
+    status = run.finish()
+
+    stdout = run.stdout()
+    assert status == "successful", stdout
+    (waited,) = run.results("Wait for the training, showing its progress every eagle_training_poll_interval seconds")
+    assert waited["res"]["finished"] is True and waited["res"]["job"]["exit_code"] == 1
+    assert "[WARNING]: the training job training exited with code 1 (it crashed) after it reported done" in stdout
 
 
 @pytest.mark.parametrize("stage", ["extraction", "training"])

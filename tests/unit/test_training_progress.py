@@ -15,12 +15,14 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import training_progress as module
 from ansible.module_utils.training_progress import (
+    EXIT_GRACE_S,
     acc_text,
     assess,
     last_records,
@@ -28,7 +30,7 @@ from ansible.module_utils.training_progress import (
     progress_path,
 )
 from module_runs import POLL_S, WAIT_S, run_module
-from supervised_jobs import Jobs
+from supervised_jobs import JOB, Jobs
 
 RUNNING = {
     "state": "running", "step": 40, "total_steps": 200, "epoch": 1, "loss": 3.2149,
@@ -157,12 +159,54 @@ def test_a_job_that_exits_0_without_any_done_progress_is_dead_asking_for_the_ver
     assert "exited with code 0 but its progress file does not say done (no progress of this job)" in result["msg"]
 
 
-def test_a_done_progress_on_node_0_wins_over_a_still_running_process():
+def test_a_done_progress_is_done_once_the_process_ended_or_on_node_0_after_the_grace():
     job = {"pid": os.getpid(), "pid_start_time": None, "exit_code": None, "started_at": 0.0}
-    done = {**RUNNING, "state": "done", "updated": time.time()}
+    done = {**RUNNING, "state": "done", "updated": 1000.0}
 
-    assert assess(done, job, node_rank=0)[0] == "done"
-    assert assess(done, job, node_rank=1)[0] == "running", "a node's own process must end first"
+    assert assess(done, job, node_rank=0, now=1000.0 + EXIT_GRACE_S - 1)[0] == "running"
+    assert assess(done, job, node_rank=0, now=1000.0 + EXIT_GRACE_S + 1)[0] == "done", "a hung teardown"
+    assert assess(done, job, node_rank=1, now=1000.0 + EXIT_GRACE_S + 1)[0] == "running", "a node's own process"
+    gone = {**job, "pid": 0, "exit_code": 0}
+    assert assess(done, gone, node_rank=0, now=1000.0)[0] == assess(done, gone, node_rank=1, now=1000.0)[0] == "done"
+
+
+# Reports done, then exits with the given code once a gate file exists: the teardown after the report.
+LINGERS = JOB.replace(
+    "if then == 'sleep':\n",
+    "gate, _, then = then.partition('=')\nwhile not os.path.exists(gate):\n    time.sleep(0.05)\nif then == 'sleep':\n",
+)
+
+
+def test_the_wait_after_done_lasts_until_the_job_exits(jobs, capsys, tmp_path):
+    gate = tmp_path / "exit"
+    record = jobs.start(said("done"), f"{gate}=0", script=LINGERS)
+
+    code, result = run_module(module, jobs.args(), capsys)
+    assert code == 0 and result["state"] == "running" and result["finished"] is False, result
+    assert result["msg"] == "step 40/200 (epoch 1), loss 3.21, acc 0.41/0.30/0.22\u2026, accept len 1.9, " \
+        "1,234 tok/s: done in 0:00:31; waiting for the job to exit"
+
+    threading.Timer(0.5, gate.touch).start()
+    code, result = run_module(module, jobs.args(wait_s=WAIT_S, poll_s=0.05), capsys)
+    assert code == 0 and result["state"] == "done" and result["finished"] is True, result
+    assert result["seconds"] < WAIT_S, "returned on the exit, not at wait_s"
+    assert result["job"]["pid"] == record["pid"] and result["job"]["exit_code"] == 0
+    assert result["msg"].endswith(": done in 0:00:31") and not result.get("warnings")
+
+
+def test_a_job_that_fails_after_reporting_done_is_done_with_a_warning(jobs, capsys, tmp_path):
+    gate = tmp_path / "exit"
+    gate.touch()
+    jobs.start(said("done"), f"{gate}=1", script=LINGERS)
+    jobs.wait_ended()
+
+    code, result = run_module(module, jobs.args(), capsys)
+    assert code == 0 and result["state"] == "done" and result["job"]["exit_code"] == 1, result
+    # ansible-core 2.19 returns each warning as a summary object, earlier releases as a string.
+    assert [w if isinstance(w, str) else w["event"]["msg"] for w in result["warnings"]] == [
+        "the training job job exited with code 1 (it crashed) after it reported done (its drafter was exported and "
+        f"stands); the log says why: {jobs.state_dir / 'job.log'}"
+    ]
 
 
 def test_a_read_only_look_without_a_supervisor_reads_a_finished_training(tmp_path, capsys):
