@@ -263,6 +263,6 @@ class TrainingStage(Stage):
         if not mine and state == "done":
             return self.line_prefix + "share done (rank 0 reports the progress)"
         line = self.line_prefix + progress_line(mine or None)
-        if state == "running" and mine.get("state") == "done":
+        if state == "running" and (mine or {}).get("state") == "done":
             return line + "; waiting for the job to exit"
         return line
