@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from eagle3_pipeline import __version__, project_root
+from eagle3_pipeline.cli_args import path_arg
 from eagle3_pipeline.runner import STAGES, runner_path  # noqa: F401 - runner_path: the tests' runs import it here
 
 
@@ -33,7 +33,7 @@ def parse_extravars(pairs: list[str]) -> dict:
 
 def add_run_options(parser: argparse.ArgumentParser) -> None:
     """The options of ``run`` (and of its alias ``gpu-reset``): Ansible's, as ansible-playbook spells them."""
-    parser.add_argument("-i", "--inventory", type=Path, default=project_root() / "inventory" / "local.yml",
+    parser.add_argument("-i", "--inventory", type=path_arg, default=project_root() / "inventory" / "local.yml",
                         help="inventory file (default: the embedded inventory/local.yml)")
     parser.add_argument("-e", "--extra-var", action="append", default=[], metavar="KEY=VALUE",
                         help="an extra variable; VALUE is read as JSON when it parses (repeatable)")
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     add_run_options(reset)
     reset.set_defaults(stage="gpu-reset")
     status = sub.add_parser("status", help="show where a pipeline run stands, from its output directory")
-    status.add_argument("output_dir", type=Path, help="the pipeline's output directory, e.g. output/demo")
+    status.add_argument("output_dir", type=path_arg, help="the pipeline's output directory, e.g. output/demo")
     status.add_argument("--json", action="store_true", help="print the status as JSON")
     # Only the chosen command's module is imported: the others may need torch, and --help stays fast.
     given = sys.argv[1:] if argv is None else argv

@@ -30,6 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from eagle3_pipeline.cli_args import path_arg
+
 ENGINES = ("reference", "sglang")
 # 1980-01-01, the earliest time a zip entry can hold: any fixed value makes builds repeatable.
 SOURCE_DATE_EPOCH = "315532800"
@@ -172,17 +174,17 @@ def build_wheelhouse(source: Path, dest: Path, engine: str, gguf: bool = False, 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``eagle3-pipeline wheelhouse``."""
-    parser.add_argument("dest", type=Path, help="directory to download into (created; existing files are reused)")
+    parser.add_argument("dest", type=path_arg, help="directory to download into (created; existing files are reused)")
     parser.add_argument("--engine", choices=ENGINES, default="reference", help="the hosts' engine (default: reference)")
     parser.add_argument("--gguf", action="store_true", help="also what import-gguf needs (gguf, accelerate)")
     parser.add_argument("--python-version", help="the hosts' Python, e.g. 3.11 (default: this one's)")
     parser.add_argument("--platform", action="append", default=[],
                         help="the hosts' platform tag, e.g. manylinux_2_28_x86_64 (repeatable; default: this one's)")
-    parser.add_argument("--constraint", action="append", default=[], type=Path,
+    parser.add_argument("--constraint", action="append", default=[], type=path_arg,
                         help="a pip constraints file pinning versions (repeatable)")
     parser.add_argument("--pip-arg", action="append", default=[],
                         help="one more argument for pip download, e.g. --index-url=URL (repeatable)")
-    parser.add_argument("--source", type=Path, default=None, help="the project checkout (default: this one)")
+    parser.add_argument("--source", type=path_arg, default=None, help="the project checkout (default: this one)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -233,10 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = argparse.ArgumentParser(description="the controller's side of the install: the wheel, the wheelhouse")
     parser.add_argument("action", choices=["project-wheel", "pack"])
-    parser.add_argument("--source", type=Path)
-    parser.add_argument("--cache", type=Path)
-    parser.add_argument("--wheelhouse", type=Path)
-    parser.add_argument("--output", type=Path)
+    parser.add_argument("--source", type=path_arg)
+    parser.add_argument("--cache", type=path_arg)
+    parser.add_argument("--wheelhouse", type=path_arg)
+    parser.add_argument("--output", type=path_arg)
     args = parser.parse_args(argv)
     try:
         if args.action == "pack":

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from eagle3_pipeline.atomic import atomic_write_text
+from eagle3_pipeline.cli_args import path_arg
 from eagle3_pipeline.data.stdlib_corpus import DocEntry, extract_entries
 
 SYSTEM_PROMPTS = (
@@ -153,9 +154,10 @@ def write_demo_dataset(
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``eagle3-pipeline demo-dataset``."""
-    parser.add_argument("--output", type=Path, required=True, metavar="FILE", help="training conversations (JSONL)")
+    parser.add_argument("--output", type=path_arg, required=True, metavar="FILE", help="training conversations (JSONL)")
     parser.add_argument(
-        "--held-out-output", type=Path, metavar="FILE", help="held-out conversations (default: <stem>.heldout.jsonl)"
+        "--held-out-output", type=path_arg,
+            metavar="FILE", help="held-out conversations (default: <stem>.heldout.jsonl)"
     )
     parser.add_argument("--num-samples", type=int, default=400, help="training conversations (default: 400)")
     parser.add_argument(

@@ -93,6 +93,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from eagle3_pipeline import __version__
+from eagle3_pipeline.cli_args import path_str
 from eagle3_pipeline.engine.api import ModelLimits, RequestError, build_generate_response, parse_generate_request
 from eagle3_pipeline.engine.batcher import LOG, GenerateJob, SamplingConfig, ServiceUnavailable
 
@@ -377,10 +378,12 @@ def _layer_list(text: str) -> list[int]:
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``eagle3-pipeline serve-reference``."""
-    parser.add_argument("--model-path", required=True, help="local HF-format model directory (no downloads)")
+    parser.add_argument("--model-path", type=path_str,
+        required=True, help="local HF-format model directory (no downloads)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000, help="0 picks a free port (logged at start)")
-    parser.add_argument("--capture-dir", default=None, help="write <rid>.safetensors captures here (none when absent)")
+    parser.add_argument("--capture-dir", type=path_str,
+        default=None, help="write <rid>.safetensors captures here (none when absent)")
     parser.add_argument(
         "--aux-layers", type=_layer_list, default=None, metavar="I,J,K",
         help="0-based decoder layers whose output is captured (HF hidden_states[i+1]); "
@@ -408,7 +411,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="replay no CUDA graphs in slot decoding")
     parser.add_argument("--api-key-env", default=None, metavar="NAME",
                         help="require 'Authorization: Bearer <key>', the key read from this environment variable")
-    parser.add_argument("--log-file", default=None, help="also write the log to this file")
+    parser.add_argument("--log-file", type=path_str, default=None, help="also write the log to this file")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
                         help="as SGLang's: debug adds a line for each request and each batch's prefill")
     parser.add_argument("--shutdown-grace-s", type=float, default=30.0,

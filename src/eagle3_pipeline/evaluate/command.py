@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 from eagle3_pipeline.checksum import file_sha256
+from eagle3_pipeline.cli_args import path_str
 from eagle3_pipeline.evaluate.verdict import DEFAULT_MIN_RATIO, prediction_record
 from eagle3_pipeline.train.command import _positive_int  # the same option type as train's
 
@@ -83,15 +84,19 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     """The command's options; each is the evaluation role's ``evaluation_<name>`` variable."""
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     add = parser.add_argument
-    add("--drafter-dir", required=True, help="the exported drafter (config.json + model.safetensors)")
-    add("--prompts", required=True, help="held-out conversations (ShareGPT or OpenAI JSONL); the prompt of each is "
+    add("--drafter-dir", type=path_str, required=True, help="the exported drafter (config.json + model.safetensors)")
+    add("--prompts", type=path_str,
+        required=True, help="held-out conversations (ShareGPT or OpenAI JSONL); the prompt of each is "
         "everything before its first assistant turn")
-    add("--output-dir", required=True, help="where evaluation.json goes")
-    add("--training-dir", help="the training's output (training.json: the simulated acceptance length); default: "
+    add("--output-dir", type=path_str, required=True, help="where evaluation.json goes")
+    add("--training-dir", type=path_str,
+        help="the training's output (training.json: the simulated acceptance length); default: "
         "the drafter's parent when it holds training.json")
-    add("--data-dir", help="the extraction the drafter was trained on (the overlap check, the aux layers, the chat "
+    add("--data-dir", type=path_str,
+        help="the extraction the drafter was trained on (the overlap check, the aux layers, the chat "
         "template); default: the one training.json names")
-    add("--target-model-path", help="the target model directory (default: the one the drafter's config names, "
+    add("--target-model-path", type=path_str,
+        help="the target model directory (default: the one the drafter's config names, "
         "else data_config.json's)")
     add("--num-prompts", type=_positive_int, default=32, help="prompts measured (the first usable ones of the file, "
         "those seen in training excluded)")
@@ -118,17 +123,18 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="reference engine: skip the target's greedy decode by full forwards (the check that the outputs are "
         "the target's own)")
     add("--server-url", help="sglang engine: the server serving the drafter, e.g. http://127.0.0.1:30100")
-    add("--api-key-file", help="sglang engine: a file holding the server's API key (never on the command line)")
+    add("--api-key-file", type=path_str,
+        help="sglang engine: a file holding the server's API key (never on the command line)")
     add("--force", action="store_true", help="measure again even when evaluation.json matches these settings")
     add("--check", action="store_true", help="check the inputs, print a JSON status line, measure nothing")
     sg = parser.add_argument_group("the SGLang launch command (--print-sglang-argv)")
     sg.add_argument("--print-sglang-argv", action="store_true",
                     help="print SGLang's launch argv for serving the drafter (JSON) and exit")
-    sg.add_argument("--sglang-python", default="python3", help="the Python of the SGLang venv")
+    sg.add_argument("--sglang-python", type=path_str, default="python3", help="the Python of the SGLang venv")
     sg.add_argument("--port", type=int, default=30100)
     sg.add_argument("--tp-size", type=_positive_int, default=1)
     sg.add_argument("--extra-args-json", default="[]", help="more SGLang arguments, a JSON list of argv tokens")
-    sg.add_argument("--api-key-config", help="SGLang --config YAML holding the API key")
+    sg.add_argument("--api-key-config", type=path_str, help="SGLang --config YAML holding the API key")
 
 
 def _say(message: str) -> None:

@@ -8,9 +8,11 @@ import sys
 import time
 from pathlib import Path
 
+from eagle3_pipeline.cli_args import path_arg
+
 
 def configure_merge(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("data_dir", type=Path, help="the extraction's output directory")
+    parser.add_argument("data_dir", type=path_arg, help="the extraction's output directory")
 
 
 def run_merge(args: argparse.Namespace) -> int:
@@ -32,7 +34,7 @@ def run_merge(args: argparse.Namespace) -> int:
 
 
 def configure_verify(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("data_dir", type=Path, help="the extraction's output directory")
+    parser.add_argument("data_dir", type=path_arg, help="the extraction's output directory")
     parser.add_argument("--quick", action="store_true", help="sizes only; skip checksums and tensor checks")
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -64,7 +66,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def configure_progress(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("data_dir", type=Path, help="the extraction's output directory")
+    parser.add_argument("data_dir", type=path_arg, help="the extraction's output directory")
     parser.add_argument("--follow", action="store_true", help="redraw until every part has ended")
     parser.add_argument("--interval-s", type=float, default=2.0)
 

@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3_pipeline.cli_args import path_arg
 from eagle3_pipeline.progress_file import ProgressReporter
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 4
@@ -362,10 +363,10 @@ def _finish(cfg: ConvertConfig, manifest: dict, records: dict[str, dict]) -> dic
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``eagle3-pipeline convert-storage``."""
-    parser.add_argument("data_dir", type=Path, help="the extraction's output directory (data_config.json)")
+    parser.add_argument("data_dir", type=path_arg, help="the extraction's output directory (data_config.json)")
     parser.add_argument("--to", choices=list(TARGETS), required=True,
                         help="float8_e4m3 (half the bytes of bf16); bfloat16 is refused, with the reason")
-    parser.add_argument("--copy-to", type=Path, metavar="DIR",
+    parser.add_argument("--copy-to", type=path_arg, metavar="DIR",
                         help="write the converted dataset into DIR (empty or new), leaving DATA_DIR as it is")
     parser.add_argument("--threads", type=int, default=4, help="files converted at once")
     parser.add_argument("--max-read-mib-s", type=float,

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3_pipeline.checksum import file_sha256
+from eagle3_pipeline.cli_args import path_arg, path_str
 from eagle3_pipeline.models.config import read_text_config
 from eagle3_pipeline.progress_file import ProgressReporter
 from eagle3_pipeline.work_window import run_window
@@ -800,15 +801,17 @@ def check_status(cfg: ExtractConfig, offline: bool = False, engine: str | None =
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``eagle3-pipeline extract``."""
-    parser.add_argument("--dataset", type=Path, required=True,
+    parser.add_argument("--dataset", type=path_arg, required=True,
                         help="JSONL, or one JSON array: ShareGPT conversations or OpenAI messages")
-    parser.add_argument("--output-dir", type=Path, required=True)
+    parser.add_argument("--output-dir", type=path_arg, required=True)
     parser.add_argument("--server-url", required=True, help="http://HOST:PORT of the capturing server")
     parser.add_argument("--api-key-env", metavar="NAME", help="read the server's API key from this variable")
     parser.add_argument("--api-key-stdin", action="store_true",
                         help="read the server's API key from the first line of standard input")
-    parser.add_argument("--model-path", help="the target model directory here (default: the server's model_path)")
-    parser.add_argument("--capture-dir", help="the server's capture directory (default: from /server_info)")
+    parser.add_argument("--model-path", type=path_str,
+        help="the target model directory here (default: the server's model_path)")
+    parser.add_argument("--capture-dir", type=path_str,
+        help="the server's capture directory (default: from /server_info)")
     parser.add_argument("--num-samples", type=int, help="only the first N records (default: all)")
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--overflow", choices=["truncate", "skip"], default="truncate",
@@ -816,7 +819,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     parser.add_argument("--shard-size", type=int, default=2000, help="samples per rows_<a>-<b> directory")
     parser.add_argument("--part", default="0/1", help="K/N: this host's share (records with ordinal %% N == K)")
-    parser.add_argument("--chat-template", type=Path, help="a Jinja chat template file instead of the tokenizer's")
+    parser.add_argument("--chat-template", type=path_arg, help="a Jinja chat template file instead of the tokenizer's")
     parser.add_argument("--verify-positions", type=int, default=32,
                         help="check the top-1 at the last N positions of each sample (0: all positions always)")
     parser.add_argument("--verify-full-every", type=int, default=32,

@@ -35,6 +35,7 @@ from pathlib import Path
 from eagle3_pipeline.atomic import atomic_write_text
 from eagle3_pipeline.atomic_dir import abandoned, directory_lock, remove_abandoned, staged_directory
 from eagle3_pipeline.checksum import file_sha256
+from eagle3_pipeline.cli_args import path_arg
 
 RECORD_NAME = ".import-gguf.json"
 # Bump when the conversion below changes what it writes for the same GGUF and settings.
@@ -563,8 +564,8 @@ def import_gguf(gguf_file: str | Path, output_dir: str | Path, *, dtype: str = D
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``eagle3-pipeline import-gguf``."""
-    parser.add_argument("--gguf", type=Path, required=True, metavar="FILE", help="the GGUF model file to convert")
-    parser.add_argument("--output", type=Path, required=True, metavar="DIR",
+    parser.add_argument("--gguf", type=path_arg, required=True, metavar="FILE", help="the GGUF model file to convert")
+    parser.add_argument("--output", type=path_arg, required=True, metavar="DIR",
                         help="the Hugging Face checkpoint directory to write (or find up to date)")
     parser.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE,
                         help=f"dtype of the saved weights (default {DEFAULT_DTYPE})")

@@ -31,12 +31,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3_pipeline.cli_args import path_arg
 from eagle3_pipeline.data.demo_dataset import build_conversation, is_demo_subject, sharegpt_to_messages
 from eagle3_pipeline.data.stdlib_corpus import DocEntry, corpus_fingerprint, extract_entries, stdlib_source_files
 
 # Bump whenever the build below changes in a way the hyperparameters do not show.
 RECIPE_VERSION = 1
 STAMP_NAME = ".build.json"
+# The training seed of a build whose caller names none (``tiny-model --seed`` and ``recipe`` win): a
+# model built from another seed answers differently, which is how the tests are shown to hold for any
+# model the build can make (``make test-seeds``).
+SEED_ENV = "EAGLE3_TINY_SEED"
 
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<s>"
@@ -93,6 +98,29 @@ class TinyRecipe:
     eval_tokens: int = 16384
     seed: int = 0
     threads: int = 2  # fixed, so the weights do not depend on the machine's core count
+
+
+def seed_from_env() -> int:
+    """The seed ``$EAGLE3_TINY_SEED`` asks for (0 when unset); a value that is no integer >= 0 is refused."""
+    value = os.environ.get(SEED_ENV, "").strip()
+    if not value:
+        return 0
+    if not value.isdigit():
+        raise ValueError(f"{SEED_ENV}={value!r}: the tiny model's seed must be an integer >= 0 (unset it for 0)")
+    return int(value)
+
+
+def default_recipe() -> TinyRecipe:
+    """The recipe of a build that names none: the default one, with the seed of ``$EAGLE3_TINY_SEED``."""
+    return dataclasses.replace(TinyRecipe(), seed=seed_from_env())
+
+
+def cache_name(seed: int) -> str:
+    """The directory name a checkout's cache gives the build of ``seed``: tiny-llama, or tiny-llama-seed-N.
+
+    One directory per seed, so that builds of several seeds never rebuild over one another.
+    """
+    return "tiny-llama" if seed == 0 else f"tiny-llama-seed-{seed}"
 
 
 def _log(message: str) -> None:
@@ -448,13 +476,16 @@ def build_tiny_model(output_dir: Path, *, force: bool = False, recipe: TinyRecip
                      any_versions: bool = False) -> Path:
     """Build the tiny model into ``output_dir`` unless a build of the same recipe is there; return its path.
 
-    ``force`` rebuilds anyway. An existing directory that is not a tiny-model build (no stamp)
+    ``recipe``: the default one with the seed of ``$EAGLE3_TINY_SEED`` when not given. ``force`` rebuilds
+    anyway. An existing directory that is not a tiny-model build (no stamp)
     and is not empty is refused rather than replaced. ``any_versions``: a build of the same recipe
     and corpus made under other library versions is taken as it is, for a caller that only loads
     the checkpoint (tests under another transformers release); without it, other versions rebuild.
     """
+    if not str(output_dir).strip():
+        raise ValueError("no output directory given for the tiny model (an empty path)")
     output_dir = Path(output_dir).absolute()
-    recipe = recipe or TinyRecipe()
+    recipe = recipe or default_recipe()
     files = stdlib_source_files()
     fingerprint = recipe_fingerprint(recipe, corpus_fingerprint(files))
     if not force and is_built(output_dir, _hash(fingerprint)):
@@ -495,15 +526,22 @@ def build_tiny_model(output_dir: Path, *, force: bool = False, recipe: TinyRecip
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``eagle3-pipeline tiny-model``."""
-    parser.add_argument("--output", type=Path, required=True, metavar="DIR", help="model directory to build or reuse")
+    parser.add_argument("--output", type=path_arg,
+        required=True, metavar="DIR", help="model directory to build or reuse")
     parser.add_argument("--force", action="store_true", help="rebuild even when a matching build is there")
+    parser.add_argument(
+        "--seed", type=int, default=None, metavar="N",
+        help=f"training seed of the build (default: ${SEED_ENV}, else 0); part of the recipe, so another seed "
+             "rebuilds: give each seed its own --output",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Build (or reuse) the model and print its directory."""
     try:
-        path = build_tiny_model(args.output, force=args.force)
-    except FileExistsError as exc:
+        recipe = default_recipe() if args.seed is None else dataclasses.replace(TinyRecipe(), seed=args.seed)
+        path = build_tiny_model(args.output, force=args.force, recipe=recipe)
+    except (FileExistsError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(path)

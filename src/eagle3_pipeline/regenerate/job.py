@@ -41,6 +41,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle3_pipeline.cli_args import path_arg, path_str
 from eagle3_pipeline.extract.job import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -468,9 +469,9 @@ def check_status(cfg: RegenerateConfig) -> dict:
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``eagle3-pipeline regenerate``."""
-    parser.add_argument("--dataset", type=Path, required=True,
+    parser.add_argument("--dataset", type=path_arg, required=True,
                         help="JSONL, or one JSON array: ShareGPT conversations or OpenAI messages")
-    parser.add_argument("--output-dir", type=Path, required=True)
+    parser.add_argument("--output-dir", type=path_arg, required=True)
     parser.add_argument("--server-url", required=True, help="http://HOST:PORT of the serving server")
     parser.add_argument("--part", default="0/1", help="K/N: this host's share (records with ordinal %% N == K)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
@@ -483,10 +484,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         "--max-length: it cuts there anyway)")
     parser.add_argument("--concurrency", type=int, default=64, help="conversations in flight (one request each)")
     parser.add_argument("--num-samples", type=int, help="only the first N records (default: all)")
-    parser.add_argument("--api-key-file", type=Path, help="a file whose first line is the server's API key")
-    parser.add_argument("--model-path", help="the target model directory here, for the tokenizer and chat template "
+    parser.add_argument("--api-key-file", type=path_arg, help="a file whose first line is the server's API key")
+    parser.add_argument("--model-path", type=path_str,
+        help="the target model directory here, for the tokenizer and chat template "
                         "(default: the server's model_path)")
-    parser.add_argument("--chat-template", type=Path, help="a Jinja chat template file instead of the tokenizer's "
+    parser.add_argument("--chat-template", type=path_arg, help="a Jinja chat template file instead of the tokenizer's "
                         "(the extraction's --chat-template, when it has one)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="allow the tokenizer's own code (Kimi's tiktoken tokenizer needs it)")
@@ -554,7 +556,7 @@ def run(args: argparse.Namespace) -> int:
 
 def configure_merge(parser: argparse.ArgumentParser) -> None:
     """Options of ``eagle3-pipeline regenerate-merge``."""
-    parser.add_argument("output_dir", type=Path, help="the regeneration's output directory")
+    parser.add_argument("output_dir", type=path_arg, help="the regeneration's output directory")
 
 
 def run_merge(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+from eagle3_pipeline.cli_args import path_arg
 from eagle3_pipeline.report.build import INDEX_FILE, REPORT_DIR, build_report, result_json
 from eagle3_pipeline.report.inputs import SettingsError, read_inputs, read_settings
 
@@ -27,16 +28,17 @@ DEFAULT_DIRS = {"gpu_reset_dir": "gpu_reset", "data_dir": "data", "training_dir"
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """The command's options; the report role passes each from its ``report_*`` variable."""
     add = parser.add_argument
-    add("--output-dir", type=Path, required=True, metavar="OUT",
+    add("--output-dir", type=path_arg, required=True, metavar="OUT",
         help=f"the run's output directory: the report is written to OUT/{REPORT_DIR}/{INDEX_FILE}")
-    add("--gpu-reset-dir", type=Path, metavar="DIR",
+    add("--gpu-reset-dir", type=path_arg, metavar="DIR",
         help="the gpu_reset role's JSON reports, one per host, in subdirectories or not (default: OUT/gpu_reset)")
-    add("--data-dir", type=Path, metavar="DIR", help="the extraction's output, data_config.json (default: OUT/data)")
-    add("--training-dir", type=Path, metavar="DIR",
+    add("--data-dir", type=path_arg,
+        metavar="DIR", help="the extraction's output, data_config.json (default: OUT/data)")
+    add("--training-dir", type=path_arg, metavar="DIR",
         help="the training's output: training.json, metrics.jsonl, charts/ (default: OUT/drafter-run)")
-    add("--evaluation-dir", type=Path, metavar="DIR",
+    add("--evaluation-dir", type=path_arg, metavar="DIR",
         help="the evaluation's output, evaluation.json (default: OUT/evaluation)")
-    add("--drafter-dir", type=Path, metavar="DIR",
+    add("--drafter-dir", type=path_arg, metavar="DIR",
         help="the exported drafter (default: the drafter_dir training.json records, else TRAINING_DIR/drafter)")
     add("--target-model-path", metavar="PATH",
         help="the target model for the serving command (default: the one data_config.json names)")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from eagle3_pipeline.atomic import atomic_write_text
 from eagle3_pipeline.capture.layers import check_aux_layers, default_aux_layers
+from eagle3_pipeline.cli_args import path_str
 from eagle3_pipeline.models.config import text_config
 
 ENGINES = ("sglang", "reference")
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", required=True)
     parser.add_argument("--python", default=sys.executable)
-    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--model-path", type=path_str, required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--capture-dir", default="", help="where captures go (capture purpose only)")

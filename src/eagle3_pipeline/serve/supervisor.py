@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from eagle3_pipeline.atomic import atomic_write_text
+from eagle3_pipeline.cli_args import path_arg, path_str
 
 POLL_S = 0.05
 
@@ -226,10 +227,10 @@ def _group_alive(pgid: int) -> bool:
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``eagle3-pipeline supervise``."""
     parser.add_argument("--name", required=True, help="the service's name (state file <state-dir>/<name>.json)")
-    parser.add_argument("--state-dir", type=Path, required=True)
-    parser.add_argument("--log-file", type=Path, help="where the server's output goes (start)")
-    parser.add_argument("--env-file", type=Path, help="KEY=VALUE lines added to the server's environment (start)")
-    parser.add_argument("--cwd", help="working directory of the server (start)")
+    parser.add_argument("--state-dir", type=path_arg, required=True)
+    parser.add_argument("--log-file", type=path_arg, help="where the server's output goes (start)")
+    parser.add_argument("--env-file", type=path_arg, help="KEY=VALUE lines added to the server's environment (start)")
+    parser.add_argument("--cwd", type=path_str, help="working directory of the server (start)")
     parser.add_argument("--grace-s", type=float, default=30.0, help="SIGTERM to SIGKILL (stop)")
     parser.add_argument("--dry-run", action="store_true", help="(start) only report whether it would (re)start")
     # Options first, then the verb, then (start) -- and the server's command:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3_pipeline.atomic import atomic_write
+from eagle3_pipeline.cli_args import path_arg
 
 METRICS_FILE = "metrics.jsonl"
 CHARTS_DIR = "charts"
@@ -289,7 +290,7 @@ def _legend(axes, **kwargs) -> None:
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Options of ``eagle3-pipeline train-charts``."""
-    parser.add_argument("--output-dir", type=Path, required=True, metavar="OUT",
+    parser.add_argument("--output-dir", type=path_arg, required=True, metavar="OUT",
                         help=f"the training output dir: reads OUT/{METRICS_FILE}, writes OUT/{CHARTS_DIR}/*.png")
 
 

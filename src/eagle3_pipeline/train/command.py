@@ -29,6 +29,8 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
+from eagle3_pipeline.cli_args import path_str
+
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 4
 STOP_FILE = "STOP"
 STOP_FILE_ENV = "EAGLE3_TRAIN_STOP_FILE"  # the workers stop when this file exists
@@ -47,11 +49,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     """The command's options; each is the role's ``eagle_training_<name>`` variable."""
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     add = parser.add_argument
-    add("--data-dir", required=True, help="the extraction's output (data_config.json)")
-    add("--output-dir", required=True, help="checkpoints, metrics, charts and the exported drafter")
-    add("--drafter-dir", help="where the SGLang export goes (default: OUTPUT_DIR/drafter); the speculators "
+    add("--data-dir", type=path_str, required=True, help="the extraction's output (data_config.json)")
+    add("--output-dir", type=path_str, required=True, help="checkpoints, metrics, charts and the exported drafter")
+    add("--drafter-dir", type=path_str,
+        help="where the SGLang export goes (default: OUTPUT_DIR/drafter); the speculators "
         "form goes beside it (<name>-speculators)")
-    add("--target-model-path", help="the target model directory (default: the one named in data_config.json)")
+    add("--target-model-path", type=path_str,
+        help="the target model directory (default: the one named in data_config.json)")
     add("--draft-vocab-size", type=_positive_int, help="draft vocabulary (default: min(32000, target vocab))")
     add("--ttt-length", type=_positive_int, default=7, help="training-time-test steps")
     add("--epochs", type=_positive_int, default=1)

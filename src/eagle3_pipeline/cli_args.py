@@ -1,0 +1,26 @@
+"""Argument types the package's commands share.
+
+A path given as ``''`` is refused by the parser, naming the option: Ansible renders a variable that
+was never set as an empty string, and ``Path('')`` is the working directory, so a command that took it
+would act on wherever it was started (a home directory) instead of saying the variable is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def path_str(text: str) -> str:
+    """A path option's value as given; an empty or blank one is refused."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "an empty path (the variable behind it was left empty?): give a file or directory; "
+            "an empty one would mean the working directory"
+        )
+    return text
+
+
+def path_arg(text: str) -> Path:
+    """A path option's value as a Path; an empty or blank one is refused."""
+    return Path(path_str(text))
