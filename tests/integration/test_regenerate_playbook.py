@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 from runner_runs import run_project_playbook
+from tiny_target import built_tiny_model
 
-from eagle3_pipeline.models.tiny import build_tiny_model
 from eagle3_pipeline.serve.supervisor import Service
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ def snapshot(directory: Path) -> dict[str, int]:
 
 
 def test_check_then_a_run_with_its_own_serving_server_then_a_rerun_that_starts_nothing(tmp_path, tmp_path_factory):
-    model = build_tiny_model(ROOT / ".cache" / "models" / "tiny-llama")
+    model = built_tiny_model()
     out, servers = tmp_path / "regenerated", tmp_path / "servers"
     extravars = {
         "sglang_server_model_path": str(model), "sglang_server_state_dir": str(servers),

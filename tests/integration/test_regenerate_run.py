@@ -25,12 +25,12 @@ from pathlib import Path
 
 import pytest
 import torch  # noqa: F401 - imported before ansible (tests/conftest.py explains why)
+from tiny_target import built_tiny_model
 
 from eagle3_pipeline.cli import main as cli_main
 from eagle3_pipeline.data.demo_dataset import write_demo_dataset
 from eagle3_pipeline.extract.client import EngineClient
 from eagle3_pipeline.extract.template import load_renderer
-from eagle3_pipeline.models.tiny import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "eagle3_pipeline.cli"]
@@ -72,7 +72,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def tiny_model() -> Path:
-    return build_tiny_model(ROOT / ".cache" / "models" / "tiny-llama")
+    return built_tiny_model()
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import yaml
 from runner_runs import ROOT, run_project_playbook
+from tiny_target import built_tiny_model
 
-from eagle3_pipeline.models.tiny import build_tiny_model
 from eagle3_pipeline.serve.supervisor import Service
 
 PLAYBOOK = ROOT / "playbooks" / "site.yml"
@@ -34,7 +34,7 @@ def free_port() -> int:
 
 def local_inventory(tmp_path: Path, dataset: Path, **extra) -> Path:
     """One localhost host running the tiny model's pipeline on this machine, under ``tmp_path/work``."""
-    model = build_tiny_model(ROOT / ".cache" / "models" / "tiny-llama")
+    model = built_tiny_model()
     work = tmp_path / "work"
     python = sys.executable
     variables = {
@@ -64,9 +64,10 @@ def demo_inventories(tmp_path: Path) -> list[str]:
     would, and leave what the playbook and the roles set (the regeneration's serving port, the
     regenerated dataset for the extraction) to them; extra vars would win over those too.
     """
-    build_tiny_model(ROOT / ".cache" / "models" / "tiny-llama")  # the inventory's model (built once, shared)
     demo = tmp_path / "demo"
     variables = {
+        # The inventory's model is the default seed's; the tests' seed has its own build (built once, shared).
+        "sglang_server_model_path": str(built_tiny_model()),
         "gpu_reset_report_dir": str(demo / "gpu_reset"),
         "sglang_server_state_dir": str(demo / "servers"), "sglang_server_capture_dir": str(demo / "capture"),
         "sglang_server_port": free_port(), "regeneration_server_port": free_port(),
@@ -137,6 +138,37 @@ def test_a_failing_extraction_still_stops_the_server_and_stops_the_pipeline(tmp_
     assert states, "the server was never started"
     for state in states:  # the supervisor's own view: the process it recorded is gone
         assert Service(work / "servers", state.stem).status()["running"] is False
+
+
+def test_on_a_fresh_checkout_the_model_is_built_before_the_regeneration_reads_it_and_check_mode_says_so(tmp_path):
+    # As on a fresh clone: the inventory's model directory does not exist yet (sglang_server_build_tiny_model: true
+    # in inventory/local.yml), and the regeneration, which reads the target's tokenizer, is on.
+    model = tmp_path / "models" / "tiny-llama"
+    fresh = tmp_path / "fresh.yml"
+    fresh.write_text(yaml.safe_dump({"all": {"hosts": {"localhost": {
+        "sglang_server_model_path": str(model), "regeneration_num_samples": 2}}}}))
+    inventories = [*demo_inventories(tmp_path), str(fresh)]
+
+    (tmp_path / "check").mkdir()
+    check = run_project_playbook(tmp_path / "check", PLAYBOOK, inventories, {}, check=True)
+
+    output = check.stdout.read()
+    assert check.status == "successful", output
+    assert f"the embedded tiny model would be built at {model}" in output, output
+    assert "would regenerate" in output and "once the target model" in output, output
+    assert not model.exists()
+
+    (tmp_path / "run").mkdir()
+    run = run_project_playbook(tmp_path / "run", PLAYBOOK, inventories, {}, tags="regenerate")
+
+    assert run.status == "successful", run.stdout.read()
+    assert (model / "config.json").is_file()
+    tasks = [(e.get("role"), e.get("task")) for e in task_starts(run)]
+    built = tasks.index(("sglang_server", "Build the embedded tiny model"))
+    read = tasks.index(("regeneration", "Ask the regeneration what is done and what is left (it asks no server)"))
+    assert built < read, tasks
+    regenerated = json.loads((tmp_path / "demo" / "regenerated" / "regeneration.json").read_text())
+    assert regenerated["num_conversations"] == 2 and regenerated["generated_tokens"] > 0
 
 
 def test_the_demo_fails_at_its_start_without_held_out_prompts_then_runs_through_and_a_rerun_changes_nothing(

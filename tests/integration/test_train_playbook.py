@@ -30,9 +30,9 @@ import pytest
 import yaml
 from runner_runs import ROOT, run_project_playbook
 from safetensors import safe_open
+from tiny_target import built_tiny_model
 
 from eagle3_pipeline.cli import runner_path
-from eagle3_pipeline.models.tiny import build_tiny_model
 
 PLAYBOOK = ROOT / "playbooks" / "train.yml"
 INVENTORY = ROOT / "inventory" / "local.yml"
@@ -51,7 +51,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def tiny_model() -> Path:
     """The embedded tiny model (built once, about 2 min on 2 cores; cached in .cache/)."""
-    return build_tiny_model(ROOT / ".cache" / "models" / "tiny-llama")
+    return built_tiny_model()
 
 
 def extraction_key(tiny_model: Path) -> str:

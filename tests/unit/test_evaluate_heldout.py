@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from extraction_settings import RUN, settings
+from tiny_target import built_tiny_model
 
 from eagle3_pipeline.evaluate.heldout import (
     HeldoutError,
@@ -19,7 +20,6 @@ from eagle3_pipeline.evaluate.heldout import (
 from eagle3_pipeline.extract import store
 from eagle3_pipeline.extract.dataset import Sample, read_dataset
 from eagle3_pipeline.extract.template import load_renderer
-from eagle3_pipeline.models.tiny import build_tiny_model
 from eagle3_pipeline.train.data import open_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +49,7 @@ def _write_jsonl(path: Path, records) -> Path:
 
 @pytest.fixture(scope="module")
 def renderer():
-    return load_renderer(build_tiny_model(ROOT / ".cache" / "models" / "tiny-llama"))
+    return load_renderer(built_tiny_model())
 
 
 @pytest.fixture(scope="module")

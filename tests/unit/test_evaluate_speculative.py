@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from tiny_target import built_tiny_model
 
 from eagle3_pipeline.evaluate.speculative import (
     AcceptanceStats,
@@ -20,7 +21,6 @@ from eagle3_pipeline.evaluate.speculative import (
     replay_chains,
     speculative_generate,
 )
-from eagle3_pipeline.models.tiny import build_tiny_model
 from eagle3_pipeline.train.export import export_sglang
 from eagle3_pipeline.train.model import DrafterConfig, Eagle3Drafter
 
@@ -200,7 +200,7 @@ def test_a_batch_decodes_exactly_what_each_request_decodes_alone(random_target):
 def test_output_equals_target_greedy_decode_on_the_tiny_model(tmp_path):
     # any_versions: this file also runs under the oldest transformers hosts may have (make test-transformers),
     # which reads the checkout's build as it is instead of training another one (4 minutes) over it.
-    model = build_tiny_model(ROOT / ".cache" / "models" / "tiny-llama", any_versions=True)
+    model = built_tiny_model(any_versions=True)
     target = TargetModel.load(model, [0, 1, 2], device="cpu")
     vocab = target.input_embeddings().shape[0]
     hidden = target.input_embeddings().shape[1]

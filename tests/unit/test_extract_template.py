@@ -14,6 +14,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
+from tiny_target import built_tiny_model
 
 from eagle3_pipeline.data.demo_dataset import demo_conversations, sharegpt_to_messages
 from eagle3_pipeline.data.stdlib_corpus import extract_entries, stdlib_source_files
@@ -23,7 +24,6 @@ from eagle3_pipeline.models.tiny import (
     CHAT_TEMPLATE,
     END_TOKEN,
     assistant_token_spans,
-    build_tiny_model,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -83,7 +83,7 @@ MULTI_TURN = [
 @pytest.fixture(scope="module")
 def tiny_model():
     """The real tiny model directory (built once per checkout, then cached; see models/tiny.py)."""
-    return build_tiny_model(ROOT / ".cache" / "models" / "tiny-llama")
+    return built_tiny_model()
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import torch
 from float_rounding import dot_error_bound
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tiny_target import built_tiny_model
 
 from eagle3_pipeline.extract.verify import (
     SampleRejected,
@@ -25,7 +26,6 @@ from eagle3_pipeline.extract.verify import (
     engine_top1,
     load_lm_head,
 )
-from eagle3_pipeline.models.tiny import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def tiny_model() -> Path:
     """The real tiny model in the checkout's cache (built once per checkout)."""
-    return build_tiny_model(ROOT / ".cache" / "models" / "tiny-llama")
+    return built_tiny_model()
 
 
 def triple(token: int, logprob: float = -0.5) -> list:

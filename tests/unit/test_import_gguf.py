@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from smollm2 import smollm2_gguf
+from tiny_target import built_tiny_model
 
 from eagle3_pipeline.atomic_dir import REPLACED, STAGING, abandoned, remove_abandoned, staged_directory
 from eagle3_pipeline.models.gguf_import import (
@@ -194,9 +195,8 @@ def test_the_plan_over_an_existing_conversion_follows_its_record(tmp_path):
 def test_the_logit_check_passes_faithful_weights_and_refuses_wrong_ones(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from eagle3_pipeline.models.tiny import build_tiny_model
 
-    path = build_tiny_model(ROOT / ".cache" / "models" / "tiny-llama")
+    path = built_tiny_model()
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     prompts = _check_prompts(tokenizer, reference.config.vocab_size)

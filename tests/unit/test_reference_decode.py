@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_target import built_tiny_model
 
 from eagle3_pipeline.engine.batcher import BatchWorker, GenerateJob, ModelRunner, SamplingConfig
-from eagle3_pipeline.models.tiny import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 NEAR_TIE = 1e-3
@@ -46,7 +46,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def tiny_model() -> Path:
-    return build_tiny_model(ROOT / ".cache" / "models" / "tiny-llama")
+    return built_tiny_model()
 
 
 @pytest.fixture(scope="module")
@@ -112,11 +112,16 @@ def test_a_batch_whose_rows_end_at_different_steps_equals_full_forward_greedy(ru
 
 
 def test_rows_that_join_a_running_decode_equal_full_forward_greedy(runner, prompts):
-    batch, finished = runner.start([greedy_job(ids, 30) for ids in prompts[:2]])
+    # The first rows decode their whole budget (ignore_eos): whatever a model answers, they are still running
+    # 8 tokens in, when the others join. The joining rows end wherever the model ends them.
+    first = [greedy_job(ids, 30) for ids in prompts[:2]]
+    for job in first:
+        job.sampling.ignore_eos = True
+    batch, finished = runner.start(first)
     assert not finished
-    for _ in range(7):  # the first rows are 8 tokens in when the others join
+    for _ in range(7):
         finished += runner.step(batch)
-    assert runner.can_merge(batch)
+    assert not finished and runner.can_merge(batch)
     joining, more = runner.start([greedy_job(ids, 30) for ids in prompts[2:]])
     batch = runner.merge(batch, joining)
     rows = {id(row.job): row for row in (*batch.rows, *finished, *more)}
@@ -125,7 +130,7 @@ def test_rows_that_join_a_running_decode_equal_full_forward_greedy(runner, promp
         runner.step(batch)
     assert len(jobs) == len(prompts) - len(finished) - len(more)
     for job in jobs:
-        want, margins = full_forward_greedy(runner, job.input_ids, 30)
+        want, margins = full_forward_greedy(runner, job.input_ids, 30, ignore_eos=job.sampling.ignore_eos)
         assert_same_greedy(rows[id(job)].outcome.output_ids, want, margins, f"prompt of {len(job.input_ids)} tokens")
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 from ansible.module_utils.extraction_progress import PartStage, progress_line
+from tiny_target import built_tiny_model
 
 from eagle3_pipeline.extract.store import StoreError, claim_settings
 from eagle3_pipeline.extract.template import load_renderer
-from eagle3_pipeline.models.tiny import build_tiny_model
 from eagle3_pipeline.regenerate import output
 from eagle3_pipeline.regenerate.conversation import (
     Answer,
@@ -42,7 +42,7 @@ CONVERSATION = [
 
 @pytest.fixture(scope="module")
 def renderer():
-    return load_renderer(build_tiny_model(ROOT / ".cache" / "models" / "tiny-llama"))
+    return load_renderer(built_tiny_model())
 
 
 class Scripted:

@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_target import built_tiny_model
 
 from eagle3_pipeline.data.demo_dataset import demo_conversations, sharegpt_to_messages
 from eagle3_pipeline.data.stdlib_corpus import extract_entries
@@ -59,7 +61,7 @@ MINI = TinyRecipe(
 def tiny_model_dir():
     """The real tiny model, in the checkout's cache shared with Molecule and the demo: built
     at most once per checkout (its recipe hash decides), then reused."""
-    return build_tiny_model(Path(__file__).resolve().parents[2] / ".cache" / "models" / "tiny-llama")
+    return built_tiny_model()
 
 
 @pytest.fixture(scope="session")
@@ -196,6 +198,31 @@ def test_a_changed_recipe_or_a_damaged_file_is_not_built(tmp_path):
     other = build_tiny_model(out, recipe=TinyRecipe(**{**MINI.__dict__, "seed": 1}))
     assert read_stamp(other)["recipe_sha256"] != recipe_hash
     assert is_built(other, read_stamp(other)["recipe_sha256"])
+
+
+def test_the_seed_comes_from_the_environment_and_gives_other_weights_over_the_same_tokenizer(
+    tmp_path, monkeypatch, capsys,
+):
+    monkeypatch.delenv(tiny.SEED_ENV, raising=False)
+    assert tiny.default_recipe() == TinyRecipe() and tiny.cache_name(0) == "tiny-llama"
+    monkeypatch.setenv(tiny.SEED_ENV, "7")
+    assert tiny.default_recipe() == TinyRecipe(seed=7) and tiny.cache_name(7) == "tiny-llama-seed-7"
+    parser = argparse.ArgumentParser()
+    tiny.configure_parser(parser)
+    for bad in ("-1", "seven", "1.5"):
+        monkeypatch.setenv(tiny.SEED_ENV, bad)
+        with pytest.raises(ValueError, match=f"{tiny.SEED_ENV}='{re.escape(bad)}'"):
+            tiny.default_recipe()
+        assert tiny.run(parser.parse_args(["--output", str(tmp_path / "none")])) == 2
+        assert "must be an integer >= 0" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
+    # The seed is part of the recipe: another seed trains other weights, over the same tokenizer (the
+    # vocabulary and the chat template the tests and the data rely on).
+    one = build_tiny_model(tmp_path / "one", recipe=MINI)
+    other = build_tiny_model(tmp_path / "other", recipe=TinyRecipe(**{**MINI.__dict__, "seed": 1}))
+    assert sha256(one / "tokenizer.json") == sha256(other / "tokenizer.json")
+    assert sha256(one / "model.safetensors") != sha256(other / "model.safetensors")
+    assert read_stamp(one)["recipe_sha256"] != read_stamp(other)["recipe_sha256"]
 
 
 def test_a_build_under_other_library_versions_is_taken_only_when_asked(tmp_path):
