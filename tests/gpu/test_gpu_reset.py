@@ -11,7 +11,7 @@ import signal
 import pytest
 from harness import nvml_used_mib, pid_alive, run_playbook
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.idle_gpu]
 
 
 def base_vars(holders, tmp_path, **extra):

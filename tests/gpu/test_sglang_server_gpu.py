@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 from harness import build_random_llama, nvml_used_mib, pid_alive, run_named_playbook
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.idle_gpu]
 
 
 def test_role_serves_on_cuda_probes_then_stops_and_frees_the_gpu(tmp_path_factory):
