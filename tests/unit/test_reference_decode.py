@@ -230,7 +230,12 @@ def test_slot_decoding_equals_full_forward_greedy_and_gives_every_slot_back(slot
 
 
 def test_rows_that_join_a_slotted_decode_in_freed_slots_equal_full_forward_greedy(slotted, prompts):
-    batch, finished = slotted.start([greedy_job(ids, n) for ids, n in zip(prompts[:3], (30, 2, 30))])
+    # The first rows decode their whole budgets (ignore_eos), whatever a model answers: the 2-token row ends at
+    # its second token, the others still run when the joining rows (ended wherever the model ends them) come.
+    first = [greedy_job(ids, n) for ids, n in zip(prompts[:3], (30, 2, 30))]
+    for job in first:
+        job.sampling.ignore_eos = True
+    batch, finished = slotted.start(first)
     assert batch.slotted and not finished
     for _ in range(4):  # the 2-token row ends and gives its slot back
         finished += slotted.step(batch)
@@ -244,7 +249,7 @@ def test_rows_that_join_a_slotted_decode_in_freed_slots_equal_full_forward_greed
     while batch.rows:
         slotted.step(batch)
     for job in jobs:
-        want, margins = full_forward_greedy(slotted, job.input_ids, 30)
+        want, margins = full_forward_greedy(slotted, job.input_ids, 30, ignore_eos=job.sampling.ignore_eos)
         assert_same_greedy(rows[id(job)].outcome.output_ids, want, margins, f"prompt of {len(job.input_ids)} tokens")
     assert slotted.slot_decoder.free_slots == 4
 
