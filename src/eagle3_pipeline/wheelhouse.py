@@ -30,8 +30,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from eagle3_pipeline.cli_args import path_arg
-
 ENGINES = ("reference", "sglang")
 # 1980-01-01, the earliest time a zip entry can hold: any fixed value makes builds repeatable.
 SOURCE_DATE_EPOCH = "315532800"
@@ -170,6 +168,15 @@ def build_wheelhouse(source: Path, dest: Path, engine: str, gguf: bool = False, 
     }
     (dest / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest
+
+
+def path_arg(text: str) -> Path:
+    """A path option's value, '' refused, as eagle3_pipeline.cli_args.path_arg does (this file also runs as a
+    plain script with the standard library only, on the controller: it imports nothing of the package)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (the variable behind it was left empty?): give a file or "
+                                         "directory; an empty one would mean the working directory")
+    return Path(text)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:

@@ -90,6 +90,7 @@ def test_each_required_path_left_empty_fails_the_preflight_naming_it(tmp_path, r
     ["train", "--data-dir", "", "--output-dir", "out"],
     ["evaluate", "--drafter-dir", "d", "--prompts", "", "--output-dir", "out"],
     ["report", "--output-dir", ""],
+    ["wheelhouse", ""],
 ])
 def test_no_command_takes_an_empty_path(tmp_path, monkeypatch, capsys, command):
     monkeypatch.chdir(tmp_path)
