@@ -34,7 +34,6 @@ from eagle3_pipeline.data.demo_dataset import sharegpt_to_messages, write_demo_d
 from eagle3_pipeline.extract.store import Journal, file_sha256, shard_dir_name, verify_dataset
 from eagle3_pipeline.models.tiny import ASSISTANT_TOKEN, END_TOKEN, assistant_token_spans
 
-ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "eagle3_pipeline.cli"]
 AUX_LAYERS = [0, 1, 2]
 NUM_SAMPLES = 48

@@ -32,7 +32,6 @@ from eagle3_pipeline.data.demo_dataset import write_demo_dataset
 from eagle3_pipeline.extract.client import EngineClient
 from eagle3_pipeline.extract.template import load_renderer
 
-ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "eagle3_pipeline.cli"]
 NUM_CONVERSATIONS = 12
 MAX_NEW_TOKENS = 16

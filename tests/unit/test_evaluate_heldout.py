@@ -22,7 +22,6 @@ from eagle3_pipeline.extract.dataset import Sample, read_dataset
 from eagle3_pipeline.extract.template import load_renderer
 from eagle3_pipeline.train.data import open_dataset
 
-ROOT = Path(__file__).resolve().parents[2]
 HIDDEN = 8
 
 

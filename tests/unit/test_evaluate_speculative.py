@@ -24,7 +24,6 @@ from eagle3_pipeline.evaluate.speculative import (
 from eagle3_pipeline.train.export import export_sglang
 from eagle3_pipeline.train.model import DrafterConfig, Eagle3Drafter
 
-ROOT = Path(__file__).resolve().parents[2]
 VOCAB, HIDDEN, LAYERS, AUX = 64, 32, 4, [0, 1, 2]
 EOS = 2
 

@@ -11,7 +11,6 @@ newline after the marker.
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 
 import pytest
 from tiny_target import built_tiny_model
@@ -28,7 +27,6 @@ from eagle3_pipeline.models.tiny import (
 
 transformers = pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[2]
 DEMO_PACKAGES = {"argparse", "collections", "email", "functools", "http", "json", "logging", "pathlib", "string"}
 
 # ChatML, with markers that are plain text for the tiny tokenizer (it has no such special tokens).

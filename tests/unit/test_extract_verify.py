@@ -27,8 +27,6 @@ from eagle3_pipeline.extract.verify import (
     load_lm_head,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def tiny_model() -> Path:

@@ -25,7 +25,6 @@ from tiny_target import built_tiny_model
 
 from eagle3_pipeline.engine.batcher import BatchWorker, GenerateJob, ModelRunner, SamplingConfig
 
-ROOT = Path(__file__).resolve().parents[2]
 NEAR_TIE = 1e-3
 START_TIMEOUT_S = 120.0
 QUESTIONS = [

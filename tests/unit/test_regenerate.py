@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import pytest
 from ansible.module_utils.extraction_progress import PartStage, progress_line
@@ -28,7 +27,6 @@ from eagle3_pipeline.regenerate.conversation import (
 from eagle3_pipeline.regenerate.job import config_from_args, configure_parser
 from eagle3_pipeline.serve.plan import SERVE_MAX_BATCH_SIZE, PlanError, server_plan
 
-ROOT = Path(__file__).resolve().parents[2]
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "What is json?"},
