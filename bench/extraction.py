@@ -80,8 +80,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 
-from eagle3_pipeline.extract.client import EngineClient  # noqa: E402
 from eagle3_pipeline.extract.job import RID_PREFIX  # noqa: E402
+from eagle3_pipeline.server_client import EngineClient  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 TINY_MODEL = ROOT / ".cache" / "models" / "tiny-llama"
@@ -218,8 +218,8 @@ def write_demo_dataset(path: Path, num_samples: int, seed: int = 0) -> Path:
 
 def prepare_requests(dataset: Path, model: Path, max_length: int, num_samples: int) -> list[tuple[str, list[int]]]:
     """(sample id, token ids) of each sample, exactly as the extraction renders, masks and cuts it."""
-    from eagle3_pipeline.extract.dataset import Skip, read_dataset  # noqa: PLC0415
-    from eagle3_pipeline.extract.template import SampleError, fit_length, load_renderer  # noqa: PLC0415
+    from eagle3_pipeline.conversations.dataset import Skip, read_dataset  # noqa: PLC0415
+    from eagle3_pipeline.conversations.template import SampleError, fit_length, load_renderer  # noqa: PLC0415
 
     renderer = load_renderer(model)
     requests, skipped = [], 0

@@ -169,9 +169,9 @@ class Measurer:
     prompts chosen, the target loaded and its greedy decode by full forwards made once; ``one`` per drafter."""
 
     def __init__(self, data_dir: Path, args, dtype: str, prompts: int, chains=CHAINS, replay: bool = True) -> None:
+        from eagle3_pipeline.conversations.template import load_renderer  # noqa: PLC0415
         from eagle3_pipeline.evaluate.heldout import select_heldout_prompts  # noqa: PLC0415
         from eagle3_pipeline.evaluate.speculative import TargetModel  # noqa: PLC0415
-        from eagle3_pipeline.extract.template import load_renderer  # noqa: PLC0415
         from eagle3_pipeline.train.data import open_dataset  # noqa: PLC0415
 
         data = open_dataset(data_dir)

@@ -267,13 +267,20 @@ def evaluation_status(output_dir: Path) -> StageStatus:
         return status
     measured = _find_number(document, ("tau", "acceptance_length", "measured_acceptance_length"))
     simulated = _find_number(document, ("simulated_acceptance_length",))
+    chain = _find_number(document, ("draft_tokens",))
+    predicted = _find_number(document, ("simulated_tau",))
     prompts = document.get("prompts", document.get("num_prompts"))
     prompts = len(prompts) if isinstance(prompts, list) else _find_number(document, ("prompts", "num_prompts"))
     status.state = FAILED if document.get("state") == "failed" else DONE
     status.message = document.get("message") if status.state == FAILED else None
-    status.figures = {"acceptance_length": measured, "simulated_acceptance_length": simulated, "prompts": prompts}
-    status.summary = (f"measured acceptance length {_fmt(measured, '.2f')}"
-                      + (f" (simulated {_fmt(simulated, '.2f')})" if simulated is not None else "")
+    status.figures = {"acceptance_length": measured, "simulated_acceptance_length": simulated, "prompts": prompts,
+                      "draft_tokens": chain, "predicted_tau": predicted}
+    if chain is not None and predicted is not None:
+        # Both at the same chain: the training's simulated_acceptance_length is over all its draft positions.
+        compared = f" at {chain:.0f} drafts per step (the training predicts {_fmt(predicted, '.2f')} at {chain:.0f})"
+    else:  # an evaluation.json of an earlier version
+        compared = f" (simulated {_fmt(simulated, '.2f')})" if simulated is not None else ""
+    status.summary = (f"measured acceptance length {_fmt(measured, '.2f')}{compared}"
                       + (f" on {prompts} prompts" if prompts is not None else ""))
     return status
 

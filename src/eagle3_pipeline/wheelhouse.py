@@ -37,11 +37,11 @@ MANIFEST = "wheelhouse.json"
 WHEEL_NAME = re.compile(r"^eagle3_pipeline-[^-]+-py3-none-any\.whl$")
 
 
-def host_extras(engine: str, gguf: bool = False) -> list[str]:
+def host_extras(engine: str, gguf: bool = False, parquet: bool = False) -> list[str]:
     """The package's extras a host with ``engine`` installs (``gpu``: nvidia-ml-py for the GPU modules)."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}: expected one of {', '.join(ENGINES)}")
-    return [engine, "train", "gpu"] + (["gguf"] if gguf else [])
+    return [engine, "train", "gpu"] + (["gguf"] if gguf else []) + (["parquet"] if parquet else [])
 
 
 # What goes into the wheel: the package, its metadata and the readme pyproject.toml names.
@@ -143,9 +143,9 @@ def download_argv(wheel: Path, dest: Path, extras: list[str], python_versions: s
 
 def build_wheelhouse(source: Path, dest: Path, engine: str, gguf: bool = False, python_version: str | None = None,
                      platforms: list[str] | None = None, constraints: list[Path] | None = None,
-                     pip_args: list[str] | None = None) -> dict:
+                     pip_args: list[str] | None = None, parquet: bool = False) -> dict:
     """Download what a host with ``engine`` installs into ``dest``; returns the manifest written there."""
-    extras = host_extras(engine, gguf)
+    extras = host_extras(engine, gguf, parquet)
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="eagle3-wheelhouse-") as tmp:
         wheel = build_project_wheel(source, Path(tmp))
@@ -184,6 +184,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dest", type=path_arg, help="directory to download into (created; existing files are reused)")
     parser.add_argument("--engine", choices=ENGINES, default="reference", help="the hosts' engine (default: reference)")
     parser.add_argument("--gguf", action="store_true", help="also what import-gguf needs (gguf, accelerate)")
+    parser.add_argument("--parquet", action="store_true",
+                        help="also pyarrow, for Parquet and Arrow datasets (the hosts' eagle3_parquet)")
     parser.add_argument("--python-version", help="the hosts' Python, e.g. 3.11 (default: this one's)")
     parser.add_argument("--platform", action="append", default=[],
                         help="the hosts' platform tag, e.g. manylinux_2_28_x86_64 (repeatable; default: this one's)")
@@ -204,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     try:
         manifest = build_wheelhouse(args.source or project_root(), args.dest, args.engine, args.gguf,
-                                    args.python_version, args.platform, args.constraint, args.pip_arg)
+                                    args.python_version, args.platform, args.constraint, args.pip_arg, args.parquet)
     except (RuntimeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -28,9 +28,9 @@ import torch  # noqa: F401 - imported before ansible (tests/conftest.py explains
 from tiny_target import built_tiny_model
 
 from eagle3_pipeline.cli import main as cli_main
+from eagle3_pipeline.conversations.template import load_renderer
 from eagle3_pipeline.data.demo_dataset import write_demo_dataset
-from eagle3_pipeline.extract.client import EngineClient
-from eagle3_pipeline.extract.template import load_renderer
+from eagle3_pipeline.server_client import EngineClient
 
 CLI = [sys.executable, "-m", "eagle3_pipeline.cli"]
 NUM_CONVERSATIONS = 12
@@ -275,3 +275,34 @@ def test_answers_at_the_token_limit_cut_the_conversation_or_drop_it(reference_ru
         assert messages == full[i][: len(messages)] and messages[-1]["role"] == "assistant"
     summary = json.loads((tmp_path / "cut" / "regeneration.json").read_text())
     assert summary["cut"] == len(shorter)
+
+
+def test_a_folder_of_parquet_shards_killed_midway_resumes_to_the_jsonl_runs_conversations(
+    reference_run, dataset, server, tmp_path
+):
+    """The same conversations as Parquet shards (how dataset hubs publish them): a kill -9 in the middle
+    of the folder loses only what was in flight, and the resumed run writes the JSON Lines run's file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = [json.loads(line) for line in dataset.read_text().splitlines()[:NUM_CONVERSATIONS]]
+    shards = tmp_path / "sharegpt"
+    shards.mkdir()
+    for k in range(3):
+        part = pa.Table.from_struct_array(pa.array(records[k * 4:(k + 1) * 4]))
+        pq.write_table(part, shards / f"train-{k:05d}-of-00003.parquet", row_group_size=2)
+    out = tmp_path / "out"
+    proc = start(shards, out, server.url)
+    wait_for_journal(out, 5, proc)  # into the second shard
+    proc.kill()
+    proc.communicate(timeout=30)
+    killed = journal(out)
+    assert 5 <= len(killed) < NUM_CONVERSATIONS
+
+    resumed = regenerate(shards, out, server.url)
+
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"{len(killed)} already done, {NUM_CONVERSATIONS - len(killed)} to regenerate" in resumed.stderr
+    assert (out / "regenerated.jsonl").read_bytes() == (reference_run / "regenerated.jsonl").read_bytes()
+    summary = json.loads((out / "regeneration.json").read_text())
+    assert [f["name"] for f in summary["dataset"]["files"]] == [f"train-{k:05d}-of-00003.parquet" for k in range(3)]

@@ -129,3 +129,15 @@ def test_the_text_has_a_line_per_stage_and_the_messages_under_it(tmp_path):
 def test_a_missing_directory_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="is not a directory"):
         pipeline_status(tmp_path / "nope")
+
+
+def test_the_evaluation_names_its_chain_and_compares_the_prediction_at_that_chain(tmp_path):
+    """evaluation.json's simulated_acceptance_length is over every draft position the training simulated;
+    the status compares the measured tau with the prediction at the chain it was measured at."""
+    finished_run(tmp_path)
+    write_json(tmp_path / "evaluation" / "evaluation.json",
+               {"tau": 2.13, "draft_tokens": 3, "simulated_tau": 3.12, "simulated_acceptance_length": 4.04,
+                "prompts": 40})
+    summary = by_stage(tmp_path)["evaluate"].summary
+    assert summary == ("measured acceptance length 2.13 at 3 drafts per step (the training predicts 3.12 at 3) "
+                       "on 40 prompts")

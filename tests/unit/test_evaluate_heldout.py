@@ -11,6 +11,8 @@ import torch
 from extraction_settings import RUN, settings
 from tiny_target import built_tiny_model
 
+from eagle3_pipeline.conversations.dataset import Sample, read_dataset
+from eagle3_pipeline.conversations.template import load_renderer
 from eagle3_pipeline.evaluate.heldout import (
     HeldoutError,
     load_heldout_prompts,
@@ -18,8 +20,6 @@ from eagle3_pipeline.evaluate.heldout import (
     select_heldout_prompts,
 )
 from eagle3_pipeline.extract import store
-from eagle3_pipeline.extract.dataset import Sample, read_dataset
-from eagle3_pipeline.extract.template import load_renderer
 from eagle3_pipeline.train.data import open_dataset
 
 HIDDEN = 8

@@ -191,3 +191,12 @@ def test_a_replay_that_accepts_almost_nothing_or_too_few_rounds_is_not_judged():
         is False
     few = _replayed_run(3, [0, 0, 0], [MIN_ROUNDS - 1, 0, 0], [20, 5, 1], rounds=MIN_ROUNDS - 1)
     assert judge([few], None, None, 0)["passed"]
+
+
+def test_the_diagnosis_gives_the_replays_tau_the_quantity_measured_beside_it():
+    """Rounds that end at the end token make fewer tokens than 1 + their accepted drafts: the diagnosis
+    compares the measured tau with the replay's tau (evaluation.json's replayed_tau), not 1 + its mean."""
+    run = _replayed_run(3, [366, 135, 64], [1000, 366, 135], [370, 137, 62], predicted_tau=1.91)
+    run["replayed"]["tau"] = 1.49  # 1 + 0.569 would be 1.569
+    verdict = judge([run], [0.50, 0.52, 0.59], "the training's held-out split", 0)
+    assert f"tau measured {run['tau']:.3f}, replayed from full forwards 1.490," in verdict["diagnosis"]

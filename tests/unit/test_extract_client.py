@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from eagle3_pipeline.extract.client import EngineClient, EngineError, ServerTimeout, ServerUnreachable, engine_facts
+from eagle3_pipeline.server_client import EngineClient, EngineError, ServerTimeout, ServerUnreachable, engine_facts
 
 OK = {"text": "", "output_ids": [7], "meta_info": {"prompt_tokens": 3, "cached_tokens": 0}}
 

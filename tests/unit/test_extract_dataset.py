@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline.extract import dataset
-from eagle3_pipeline.extract.dataset import Sample, Skip, file_stem_for, read_dataset
+from eagle3_pipeline.conversations import dataset
+from eagle3_pipeline.conversations.dataset import Sample, Skip, file_stem_for, read_dataset
 
 
 def jsonl(*records) -> bytes:

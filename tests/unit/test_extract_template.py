@@ -15,9 +15,9 @@ import hashlib
 import pytest
 from tiny_target import built_tiny_model
 
+from eagle3_pipeline.conversations.template import ChatRenderer, SampleError, fit_length, load_renderer
 from eagle3_pipeline.data.demo_dataset import demo_conversations, sharegpt_to_messages
 from eagle3_pipeline.data.stdlib_corpus import extract_entries, stdlib_source_files
-from eagle3_pipeline.extract.template import ChatRenderer, SampleError, fit_length, load_renderer
 from eagle3_pipeline.models.tiny import (
     ASSISTANT_TOKEN,
     CHAT_TEMPLATE,
@@ -309,8 +309,8 @@ def test_fit_length_refuses_samples_without_assistant_tokens_and_bad_settings(re
 
 
 def test_samples_read_from_a_dataset_file_render_with_the_oracle_mask(renderer, tokenizer, tmp_path):
+    from eagle3_pipeline.conversations.dataset import Sample, read_dataset
     from eagle3_pipeline.data.demo_dataset import write_jsonl
-    from eagle3_pipeline.extract.dataset import Sample, read_dataset
 
     records = [
         {"id": "sharegpt", "conversations": [{"from": "human", "value": "Q?"}, {"from": "gpt", "value": "A."}]},

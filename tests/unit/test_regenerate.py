@@ -15,8 +15,8 @@ import pytest
 from ansible.module_utils.extraction_progress import PartStage, progress_line
 from tiny_target import built_tiny_model
 
-from eagle3_pipeline.extract.store import StoreError, claim_settings
-from eagle3_pipeline.extract.template import load_renderer
+from eagle3_pipeline.conversations.template import load_renderer
+from eagle3_pipeline.parts.files import StoreError, claim_settings
 from eagle3_pipeline.regenerate import output
 from eagle3_pipeline.regenerate.conversation import (
     Answer,

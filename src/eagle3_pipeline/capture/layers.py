@@ -10,6 +10,9 @@ norm (it is captured as ``last_hidden_states``) and SGLang does not capture it e
 
 from __future__ import annotations
 
+# What an aux layer index means, recorded with the data and the drafter it is read into.
+AUX_LAYER_CONVENTION = "0-based decoder layer index; captured = output of that layer = HF hidden_states[i + 1]"
+
 
 def default_aux_layers(num_layers: int) -> list[int]:
     """EAGLE-3's usual three aux layers, in this project's convention (0-based, output of the layer).

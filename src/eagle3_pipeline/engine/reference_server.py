@@ -93,13 +93,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from eagle3_pipeline import __version__
+from eagle3_pipeline.capture.layers import AUX_LAYER_CONVENTION
 from eagle3_pipeline.cli_args import path_str
 from eagle3_pipeline.engine.api import ModelLimits, RequestError, build_generate_response, parse_generate_request
 from eagle3_pipeline.engine.batcher import LOG, GenerateJob, SamplingConfig, ServiceUnavailable
 
 MAX_BODY_BYTES = 64 << 20
 HEALTH_CHECK_TIMEOUT_S = 20.0
-AUX_LAYER_CONVENTION = "0-based decoder layer index; captured = output of that layer = HF hidden_states[i + 1]"
 _AUTH_FREE_PREFIXES = ("/health", "/ready", "/metrics")  # as SGLang's decide_request_auth
 _ROUTES = {
     "/health": ("GET",), "/health_generate": ("GET",), "/ready": ("GET",),

@@ -173,8 +173,9 @@ def resolve(args: argparse.Namespace) -> dict:
     target = args.target_model_path or (training.get("config") or {}).get("target_model_path") or \
         ours.get("target_model_path")
     prompts = Path(args.prompts).resolve()
-    if not prompts.is_file():
-        raise BadInput(f"--prompts {prompts}: no such file (held-out conversations, JSONL)")
+    if not prompts.exists():
+        raise BadInput(f"--prompts {prompts}: no such file (held-out conversations: JSONL, a JSON array, Parquet or "
+                       "Arrow, or a folder of them)")
     if args.engine == "sglang" and not args.server_url and not args.check:
         raise BadInput("--engine sglang needs --server-url (the SGLang server serving the drafter)")
     return {
@@ -217,8 +218,8 @@ def previous_result(output_dir: Path, wanted: str) -> dict | None:
 
 def _prepare(inputs: dict):
     """Open the data, check aux layers and chat template, load the renderer: (data, renderer, aux layers)."""
+    from eagle3_pipeline.conversations.template import load_renderer  # noqa: PLC0415
     from eagle3_pipeline.evaluate.speculative import drafter_aux_layers  # noqa: PLC0415
-    from eagle3_pipeline.extract.template import load_renderer  # noqa: PLC0415
     from eagle3_pipeline.train.data import open_dataset  # noqa: PLC0415
 
     data = open_dataset(inputs["data_dir"])
@@ -450,7 +451,7 @@ def _run(args: argparse.Namespace) -> int:
     from eagle3_pipeline.atomic import atomic_write_text  # noqa: PLC0415
     from eagle3_pipeline.evaluate.heldout import HeldoutError, select_heldout_prompts  # noqa: PLC0415
     from eagle3_pipeline.evaluate.speculative import EvaluationError  # noqa: PLC0415
-    from eagle3_pipeline.extract.client import EngineError, ServerUnreachable  # noqa: PLC0415
+    from eagle3_pipeline.server_client import EngineError, ServerUnreachable  # noqa: PLC0415
     from eagle3_pipeline.train.data import DataError  # noqa: PLC0415
     from eagle3_pipeline.train.export import ExportError  # noqa: PLC0415
 

@@ -1,6 +1,6 @@
 """Held-out prompts: read, rendered as the served model would see them, and checked to be unseen.
 
-Reading: the extraction's dataset reader (``extract/dataset.py``: ShareGPT or OpenAI records, JSONL
+Reading: the shared dataset reader (``conversations/dataset.py``: ShareGPT or OpenAI records, JSONL
 or a JSON array, the same skips). The prompt of a conversation is everything before its FIRST assistant turn,
 rendered with the target's chat template up to and including the generation prompt (what a
 client sends to ``/generate`` to get that turn), through the extraction's ``ChatRenderer`` with
@@ -42,8 +42,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3_pipeline.extract.dataset import Sample, read_dataset
-from eagle3_pipeline.extract.template import ChatRenderer, SampleError
+from eagle3_pipeline.conversations.dataset import Sample, read_dataset
+from eagle3_pipeline.conversations.template import ChatRenderer, SampleError
 
 SHOWN_OVERLAPS = 20
 
@@ -88,9 +88,9 @@ def iter_heldout_prompts(path: str | os.PathLike, renderer: ChatRenderer, known_
     long conversation only to exclude it would cost most of the selection when the prompts file is the
     training's own dataset), or a line saying why it was left out, in file order."""
     path = Path(path)
-    if not path.is_file():
-        raise HeldoutError(f"{path}: no such file (the held-out prompts: ShareGPT or OpenAI records, JSONL or a JSON "
-                           "array)")
+    if not path.exists():
+        raise HeldoutError(f"{path}: no such file (the held-out prompts: ShareGPT or OpenAI records, JSONL, a JSON "
+                           "array, Parquet or Arrow, or a folder of them)")
     for record in read_dataset(path):
         if not isinstance(record, Sample):
             yield f"line {record.line}: {record.reason}: {record.detail}"

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 
 from eagle3_pipeline.evaluate.speculative import AcceptanceStats, EvaluationError
-from eagle3_pipeline.extract.client import EngineClient
+from eagle3_pipeline.server_client import EngineClient
 
 
 def add_meta_info(stats: AcceptanceStats, meta: dict, draft_tokens: int) -> None:

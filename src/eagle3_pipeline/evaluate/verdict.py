@@ -187,7 +187,11 @@ def diagnose(runs: list[dict], replay_checks: list[dict], source: str | None) ->
     run = next((r for r in runs if r.get("replayed") and r.get("predicted_tau")), None)
     if run is None:
         return None
-    replayed, predicted, measured = 1 + run["replayed"]["mean_accepted"], run["predicted_tau"], run["tau"]
+    # The replay's tau, the measured one's quantity (tokens per verify forward: a round that ends at the end
+    # token or the budget makes fewer than 1 + its accepted drafts), as evaluation.json's replayed_tau.
+    replay = run["replayed"]
+    replayed = replay.get("tau", 1 + replay["mean_accepted"])
+    predicted, measured = run["predicted_tau"], run["tau"]
     text = (f"chain of {run['draft_tokens']}: tau measured {measured:.3f}, replayed from full forwards "
             f"{replayed:.3f}, predicted by {source} {predicted:.3f}")
     if any(check["draft_tokens"] == run["draft_tokens"] and not check["ok"] for check in replay_checks):

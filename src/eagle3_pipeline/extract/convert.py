@@ -126,14 +126,9 @@ class Progress(ProgressReporter):
 
 def _lock_parts(directory: Path, parts: int) -> list:
     """Hold every part's lock of ``directory``: no extraction (nor another conversion) writes there meanwhile."""
-    from eagle3_pipeline.extract.job import lock_part  # noqa: PLC0415
+    from eagle3_pipeline.parts.files import lock_part  # noqa: PLC0415
 
-    @dataclass
-    class _Part:
-        output_dir: Path
-        part: tuple[int, int]
-
-    return [lock_part(_Part(directory, (index, parts)), "extraction or storage conversion") for index in range(parts)]
+    return [lock_part(directory, (index, parts), "extraction or storage conversion") for index in range(parts)]
 
 
 def _entries(manifest: dict) -> list[dict]:

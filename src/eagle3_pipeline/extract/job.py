@@ -1,8 +1,8 @@
 """``eagle3-pipeline extract``: conversations in, verified per-token hidden states out.
 
-One run is one part (``--part K/N``, default 0/1) of the dataset: the records whose 0-based
-ordinal ``i`` has ``i % N == K``, so N hosts, each with its own server, split the work with no
-coordination and write into one shared output directory. The steps:
+One run is one part (``--part K/N``, default 0/1) of the dataset, run by the part job that the
+regeneration shares (``parts/job.py``: the split over hosts, the lock, the journal, the worker
+pool, progress, the exit codes). What the extraction adds:
 
 1. ask the server what it captures (``/server_info``), load the target's tokenizer and chat
    template, and compare the data-shaping settings with ``D/extraction.json``;
@@ -43,13 +43,21 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle3_pipeline.capture.layers import AUX_LAYER_CONVENTION
 from eagle3_pipeline.checksum import file_sha256
-from eagle3_pipeline.cli_args import path_arg, path_str
+from eagle3_pipeline.cli_args import path_str
 from eagle3_pipeline.models.config import read_text_config
-from eagle3_pipeline.progress_file import ProgressReporter
-from eagle3_pipeline.work_window import run_window
+from eagle3_pipeline.parts import job as part_job
+from eagle3_pipeline.parts.job import (
+    EXIT_FAILED,
+    EXIT_OK,
+    PartConfig,
+    PartJob,
+    PartPlan,
+    PartProgress,
+    gib,
+)
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_UNREACHABLE, EXIT_STOPPED = 0, 1, 2, 3, 4
 # storage.STORAGE_DTYPES, named here too: that module imports torch, this one not until a run starts.
 STORAGE_DTYPES = ("bfloat16", "float8_e4m3")
 # The default: float8 for a 16-bit target, as captured for a float32 one, what an existing dataset
@@ -65,37 +73,20 @@ def window_size(cfg) -> int:
     once (so the server forms its next batch while ours is being stored), and the storers."""
     return 2 * cfg.concurrency + WRITERS
 
-AUX_LAYER_CONVENTION = "0-based decoder layer index; captured = output of that layer = HF hidden_states[i + 1]"
-
 
 @dataclass
-class ExtractConfig:
-    """Everything one run needs (the CLI's options)."""
+class ExtractConfig(PartConfig):
+    """Everything one run needs (the CLI's options): the shared ones and the extraction's."""
 
-    dataset: Path
-    output_dir: Path
-    server_url: str
-    api_key: str | None = None
-    model_path: str | None = None
     capture_dir: str | None = None
-    num_samples: int | None = None
-    max_length: int = 2048
     overflow: str = "truncate"
-    concurrency: int = 8
     shard_size: int = 2000
-    part: tuple[int, int] = (0, 1)
-    chat_template: Path | None = None
     verify_positions: int = 32
     verify_full_every: int = 32
     verify_tolerance: float = 0.05
     verify_device: str = "cpu"
     max_skip_ratio: float = 0.05
-    retries: int = 5
-    request_timeout_s: float = 600.0
     capture_wait_s: float = 60.0
-    merge: bool = True
-    quiet: bool = False
-    trust_remote_code: bool = False
     storage_dtype: str = AUTO_STORAGE  # bfloat16: as captured; float8_e4m3; auto (resolve_storage_dtype)
 
 
@@ -114,22 +105,11 @@ class Prepared:
 
 
 @dataclass
-class Plan:
-    """What a run found before sending anything."""
+class Plan(PartPlan):
+    """What a run found before sending anything: the shared plan, its items ``Prepared``."""
 
-    facts: object
-    settings: dict
-    records: int  # records of this part (samples + skips)
-    prepared: list[Prepared]
-    skipped: list[dict]
-    journal: object
-    done: dict[str, dict]  # key -> journal record of stored samples of this selection
-    todo: list[Prepared] = field(default_factory=list)
-
-
-def _log(cfg: ExtractConfig, message: str) -> None:
-    if not cfg.quiet:
-        print(f"[extract] {message}", file=sys.stderr, flush=True)
+    facts: object = None  # the server's EngineFacts
+    failed: dict[str, dict] = field(default_factory=dict)  # key -> journal record of samples failed in this run
 
 
 def _sha256_file(path: Path) -> str | None:
@@ -223,13 +203,12 @@ def make_plan(cfg: ExtractConfig, client, dry: bool = False, facts=None) -> Plan
     live run may be appending to it). ``facts``: what the server would say (``--check --offline``
     takes them from the stored settings); default: ask the server.
     """
+    from eagle3_pipeline.conversations.template import SampleError, fit_length, load_renderer  # noqa: PLC0415
     from eagle3_pipeline.extract import store  # noqa: PLC0415
-    from eagle3_pipeline.extract.client import engine_facts  # noqa: PLC0415
-    from eagle3_pipeline.extract.dataset import Skip, read_dataset  # noqa: PLC0415
     from eagle3_pipeline.extract.storage import refuse_unfinished_conversion  # noqa: PLC0415
-    from eagle3_pipeline.extract.template import SampleError, fit_length, load_renderer  # noqa: PLC0415
+    from eagle3_pipeline.server_client import engine_facts  # noqa: PLC0415
 
-    if not cfg.dataset.is_file():
+    if not cfg.dataset.exists():
         raise FileNotFoundError(f"dataset {cfg.dataset} does not exist")
     refuse_unfinished_conversion(cfg.output_dir)
     facts = facts or engine_facts(client.server_info())
@@ -249,43 +228,25 @@ def make_plan(cfg: ExtractConfig, client, dry: bool = False, facts=None) -> Plan
     settings = data_settings(facts, model_path, renderer, cfg)
     store.claim_settings(cfg.output_dir, settings, create=False)
     settings_hash = _settings_hash(settings)
-    index, count = cfg.part
-    prepared: list[Prepared] = []
-    skipped: list[dict] = []
-    records = 0
-    for item in read_dataset(cfg.dataset, cfg.num_samples):
-        if item.ordinal % count != index:
-            continue
-        records += 1
-        if isinstance(item, Skip):
-            skipped.append({"line": item.line, "id": item.sample_id, "reason": item.reason, "detail": item.detail})
-            continue
+
+    def prepare(item):
         try:
             ids, mask = renderer.render(list(item.messages))
             ids, mask, _ = fit_length(ids, mask, cfg.max_length, cfg.overflow)
         except SampleError as exc:
-            skipped.append({"line": item.line, "id": item.sample_id, "reason": exc.reason, "detail": exc.detail})
-            continue
+            return part_job.skip_record(item.line, item.sample_id, exc.reason, exc.detail)
         ids_a, mask_a = array("i", ids), array("B", mask)
-        prepared.append(Prepared(
+        return Prepared(
             item.ordinal, item.line, item.sample_id,
             f"{store.shard_dir_name(item.ordinal, cfg.shard_size)}/{item.file_stem}{store.SAMPLE_SUFFIX}",
             sample_key(settings_hash, item.sample_id, ids_a, mask_a), ids_a, mask_a, item.id_generated,
-        ))
-    parts_dir = cfg.output_dir / store.PARTS_DIR
-    splits = {p.name.split(".")[0].split("-of-")[1] for p in parts_dir.glob("part-*-of-*.j*")}
-    other = sorted(splits - {str(count)})
-    if other:
-        raise store.StoreError(
-            f"{cfg.output_dir} holds parts of a split over {' and '.join(other)} host(s), this run is part "
-            f"{index}/{count}: a dataset is extracted by one set of hosts; run with that many hosts, or use another "
-            "output directory"
         )
-    journal = store.Journal(cfg.output_dir / store.PARTS_DIR / f"{store.part_name(index, count)}.journal.jsonl")
-    records_by_key = journal.load(repair=not dry)
+
+    records, prepared, skipped = part_job.read_part(cfg, prepare)
+    journal, records_by_key = part_job.open_journal(cfg, "extracted", dry)
     done = {p.key: records_by_key[p.key] for p in prepared
             if store.stored_ok(cfg.output_dir, records_by_key.get(p.key))}
-    plan = Plan(facts, settings, records, prepared, skipped, journal, done)
+    plan = Plan(settings, records, prepared, skipped, journal, done, facts=facts)
     plan.todo = [p for p in prepared if p.key not in done]
     return plan
 
@@ -301,10 +262,6 @@ def estimate_bytes(tokens: int, settings: dict, captured: bool = False) -> int:
     return tokens * layout.bytes_per_token()
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:,.1f} GiB"
-
-
 def check_room(cfg: ExtractConfig, plan: Plan) -> None:
     """Refuse to start, with the numbers, when the output or capture filesystem is too small."""
     from eagle3_pipeline.extract.storage import Layout  # noqa: PLC0415
@@ -318,8 +275,8 @@ def check_room(cfg: ExtractConfig, plan: Plan) -> None:
     if need > usage.free - margin:
         raise StoreError(
             f"not enough disk: {len(plan.todo):,} samples to store ({tokens:,} tokens x {layout.bytes_per_token():,} "
-            f"bytes as {layout.storage}: {layout.formula()}) need {_gib(need)}, {cfg.output_dir} has "
-            f"{_gib(usage.free)} free (keeping {_gib(margin)} spare); free space, lower extraction_num_samples, "
+            f"bytes as {layout.storage}: {layout.formula()}) need {gib(need)}, {cfg.output_dir} has "
+            f"{gib(usage.free)} free (keeping {gib(margin)} spare); free space, lower extraction_num_samples, "
             "store float8 (extraction_storage_dtype: float8_e4m3), or choose another extraction_output_dir. "
             "Nothing was sent."
         )
@@ -329,57 +286,28 @@ def check_room(cfg: ExtractConfig, plan: Plan) -> None:
         capture_free = shutil.disk_usage(cfg.capture_dir).free
         if capture_need > capture_free:
             raise StoreError(
-                f"capture directory {cfg.capture_dir} has {_gib(capture_free)} free, but {cfg.concurrency} requests "
-                f"in flight of up to {longest:,} tokens may need {_gib(capture_need)}; lower extraction_concurrency "
+                f"capture directory {cfg.capture_dir} has {gib(capture_free)} free, but {cfg.concurrency} requests "
+                f"in flight of up to {longest:,} tokens may need {gib(capture_need)}; lower extraction_concurrency "
                 "or extraction_max_length, or give the capture directory more room"
             )
 
 
-class Progress(ProgressReporter):
-    """The part's progress file (rewritten at most once a second) and the terminal's progress line."""
+class Progress(PartProgress):
+    """The part's progress: samples stored, tokens/s, the time left from the tokens still to send."""
+
+    unit = "samples"
 
     def __init__(self, cfg: ExtractConfig, plan: Plan):
-        from eagle3_pipeline.extract.store import PARTS_DIR, part_name  # noqa: PLC0415
-
-        index, count = cfg.part
-        super().__init__(cfg.output_dir / PARTS_DIR / f"{part_name(index, count)}.progress.json", cfg.quiet, "extract")
-        self.cfg = cfg
-        self.total = len(plan.prepared)
-        self.done = len(plan.done)
-        self.skipped = len(plan.skipped)
-        self.failed = 0
-        self.tokens_before = sum(r["tokens"] for r in plan.done.values())
-        self.tokens_now = 0
+        super().__init__(cfg, "extract", plan, sum(r["tokens"] for r in plan.done.values()))
         self.tokens_todo = sum(len(p.input_ids) for p in plan.todo)
-        self.started = time.time()
-        self._clock = time.monotonic()
-        self.state = "running"
-        self.message = ""
-        self.part = f"{index}/{count}"
 
-    def restart_clock(self) -> None:
-        self._clock = time.monotonic()
-
-    def document(self) -> dict:
-        elapsed = max(time.monotonic() - self._clock, 1e-9)
-        rate = self.tokens_now / elapsed
+    def eta_s(self) -> float | None:
+        rate = self.tokens_now / self.elapsed()
         left = self.tokens_todo - self.tokens_now
-        return {
-            "state": self.state, "part": self.part, "pid": os.getpid(), "total": self.total, "done": self.done,
-            "skipped": self.skipped, "failed": self.failed, "tokens": self.tokens_before + self.tokens_now,
-            "tokens_per_s": round(rate, 1), "eta_s": round(left / rate, 1) if rate > 0 and left > 0 else (
-                0.0 if left <= 0 else None),
-            "started": self.started, "updated": time.time(), "message": self.message,
-        }
+        return round(left / rate, 1) if rate > 0 and left > 0 else (0.0 if left <= 0 else None)
 
-    def line(self) -> str:
-        doc = self.document()
-        width = 30
-        filled = int(width * doc["done"] / self.total) if self.total else width
-        eta = doc["eta_s"]
-        eta_text = "?" if eta is None else time.strftime("%H:%M:%S", time.gmtime(eta))
-        return (f"[extract {self.part}] [{'#' * filled}{'.' * (width - filled)}] {doc['done']}/{self.total} "
-                f"samples, {self.failed} failed, {doc['tokens_per_s']:,.0f} tokens/s, {eta_text} left")
+    def counts(self) -> str:
+        return f"{self.failed} failed"
 
 
 def first_checked_position(cfg: ExtractConfig, ordinal: int, tokens: int) -> int:
@@ -522,8 +450,8 @@ class SampleWorker:
 
     def __call__(self, prep: Prepared) -> dict | None:
         """The sample's journal record, or None when it was not sent (the run is stopping)."""
-        from eagle3_pipeline.extract.client import EngineError  # noqa: PLC0415
         from eagle3_pipeline.extract.verify import SampleRejected  # noqa: PLC0415
+        from eagle3_pipeline.server_client import EngineError  # noqa: PLC0415
 
         failure = None
         for attempt in range(2):  # a rejected sample is tried once more, then recorded as failed
@@ -569,171 +497,115 @@ def _remove_stale_captures(cfg: ExtractConfig) -> None:
             entry.unlink(missing_ok=True)
 
 
-def lock_part(cfg, what: str = "extraction"):
-    """Hold ``parts/part-K-of-N.lock`` of ``cfg.output_dir`` for part ``cfg.part``: a second run of the
-    same part would send the same samples (or conversations) and remove the first one's temp
-    files. Raises ``StoreError`` naming the holder; ``what`` names the job in that message."""
-    import fcntl  # noqa: PLC0415
+class ExtractionJob(PartJob):
+    """The extraction's part of the shared part job: send, check and store each sample."""
 
-    from eagle3_pipeline.extract.store import PARTS_DIR, StoreError, part_name  # noqa: PLC0415
+    label, what, done_what, unit = "extract", "extraction", "extracted", "sample"
 
-    path = cfg.output_dir / PARTS_DIR / f"{part_name(*cfg.part)}.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = open(path, "a+")  # noqa: SIM115 - kept open: the lock lives as long as the file object
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "unknown"
-        handle.close()
-        raise StoreError(
-            f"another {what} of part {cfg.part[0]}/{cfg.part[1]} runs on {cfg.output_dir} (pid {holder}); "
-            "wait for it (eagle3-pipeline progress DIR) or stop it first"
-        ) from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"{os.getpid()}\n")
-    handle.flush()
-    return handle
+    def __init__(self, cfg: ExtractConfig):
+        super().__init__(cfg)
+        self.worker: SampleWorker | None = None
 
+    def make_plan(self, dry: bool = False) -> Plan:
+        return make_plan(self.cfg, self.client, dry)
 
-def run_extraction(cfg: ExtractConfig) -> int:  # noqa: PLR0911 - one exit per outcome
-    """The whole run; returns an exit code (see ``EXIT_*``), messages on stderr."""
-    from eagle3_pipeline.extract import store  # noqa: PLC0415
-    from eagle3_pipeline.extract.client import EngineClient, EngineError, ServerUnreachable  # noqa: PLC0415
-    from eagle3_pipeline.extract.verify import load_lm_head  # noqa: PLC0415
+    def claim_settings(self, settings: dict, create: bool = True) -> bool:
+        from eagle3_pipeline.extract import store  # noqa: PLC0415
 
-    client = EngineClient(cfg.server_url, cfg.api_key, cfg.request_timeout_s, cfg.retries)
-    try:
-        # Held until the run ends. A directory that does not exist yet has no run on it: it is
-        # locked once created, after the checks (a refused run leaves nothing behind).
-        lock = lock_part(cfg) if cfg.output_dir.exists() else None
-        plan = make_plan(cfg, client)
-    except ServerUnreachable as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    except (OSError, ValueError, EngineError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    index, count = cfg.part
-    _log(cfg, f"part {index}/{count}: {plan.records} records, {len(plan.prepared)} samples, {len(plan.skipped)} "
-              f"skipped, {len(plan.done)} already stored, {len(plan.todo)} to extract "
-              f"({sum(len(p.input_ids) for p in plan.todo):,} tokens) from {client.url} ({plan.facts.engine} "
-              f"{plan.facts.version}, aux layers {plan.facts.aux_layers})")
-    if plan.skipped:
-        reasons = Counter(s["reason"] for s in plan.skipped)
-        _log(cfg, "skipped: " + ", ".join(f"{n} {r}" for r, n in reasons.most_common()))
-    if plan.records and len(plan.skipped) / plan.records > cfg.max_skip_ratio:
+        return store.claim_settings(self.cfg.output_dir, settings, create)
+
+    def describe(self, plan: Plan) -> str:
+        index, count = self.cfg.part
+        return (f"part {index}/{count}: {plan.records} records, {len(plan.items)} samples, {len(plan.skipped)} "
+                f"skipped, {len(plan.done)} already stored, {len(plan.todo)} to extract "
+                f"({sum(len(p.input_ids) for p in plan.todo):,} tokens) from {self.client.url} ({plan.facts.engine} "
+                f"{plan.facts.version}, aux layers {plan.facts.aux_layers})")
+
+    def refusal(self, plan: Plan) -> str | None:
+        cfg = self.cfg
+        if not plan.records or len(plan.skipped) / plan.records <= cfg.max_skip_ratio:
+            return None
         first = "; ".join(f"line {s['line']}: {s['reason']}: {s['detail']}" for s in plan.skipped[:3])
-        print(f"error: {len(plan.skipped)} of {plan.records} records are unusable, more than the allowed "
-              f"{cfg.max_skip_ratio:.0%} (extraction_max_skip_ratio); fix the dataset or raise the ratio. "
-              f"First: {first}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    try:
-        cfg.output_dir.mkdir(parents=True, exist_ok=True)
-        check_room(cfg, plan)
-        lock = lock or lock_part(cfg)
-        store.claim_settings(cfg.output_dir, plan.settings)
-    except (OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    progress = Progress(cfg, plan)
-    progress.update(force=True)
-    failed: dict[str, dict] = {}
-    outcome = EXIT_OK
-    if plan.todo:
+        return (f"{len(plan.skipped)} of {plan.records} records are unusable, more than the allowed "
+                f"{cfg.max_skip_ratio:.0%} (extraction_max_skip_ratio); fix the dataset or raise the ratio. "
+                f"First: {first}")
+
+    def check_room(self, plan: Plan) -> None:
+        check_room(self.cfg, plan)
+
+    def progress(self, plan: Plan) -> Progress:
+        return Progress(self.cfg, plan)
+
+    def window(self) -> int:
+        return window_size(self.cfg)
+
+    def start_work(self, plan: Plan, progress: Progress) -> SampleWorker:
+        from eagle3_pipeline.extract.verify import load_lm_head  # noqa: PLC0415
+
+        cfg = self.cfg
         _remove_leftovers(cfg, plan)
         device = cfg.verify_device
         lm_head = load_lm_head(plan.settings["target_model_path"], device)
-        _log(cfg, f"top-1 check: lm_head on {device}; the last {cfg.verify_positions} positions of each sample"
-                  + (f", all positions of every {cfg.verify_full_every}-th record" if cfg.verify_full_every else "")
-                  if cfg.verify_positions else
-                  f"top-1 check: lm_head on {device}; every position of every sample")
-        worker = SampleWorker(cfg, plan, client, lm_head)
+        self.log(f"top-1 check: lm_head on {device}; the last {cfg.verify_positions} positions of each sample"
+                 + (f", all positions of every {cfg.verify_full_every}-th record" if cfg.verify_full_every else "")
+                 if cfg.verify_positions else
+                 f"top-1 check: lm_head on {device}; every position of every sample")
+        self.worker = SampleWorker(cfg, plan, self.client, lm_head)
         progress.restart_clock()  # tokens/s from the first request, not from loading lm_head
-        outcome = _run_samples(cfg, plan, worker, progress, failed)
-        _remove_stale_captures(cfg)  # those of requests a killed earlier run left in flight
+        return self.worker
+
+    def end_work(self, worker: SampleWorker) -> None:
+        _remove_stale_captures(self.cfg)  # those of requests a killed earlier run left in flight
         if worker.layout.quantized:
             here = worker.quantized_by["client"]
-            _log(cfg, f"float8: {worker.quantized_by['engine']} samples quantized by the engine's capture writer, "
-                      f"{here} here on the CPU" + (" (slower: the server's eagle3-pipeline predates quantizing in "
-                                                     "its capture writer; update it there)" if here else ""))
-    plan.journal.close()
-    del lock
-    if outcome != EXIT_OK:
-        return outcome
-    samples = [plan.done[p.key] for p in plan.prepared if p.key in plan.done]
-    failures = [{k: r[k] for k in ("line", "id", "reason", "detail")} for r in failed.values()]
-    run_facts = {
-        "dataset": {"name": cfg.dataset.name, "sha256": store.file_sha256(cfg.dataset),
-                    "num_samples_limit": cfg.num_samples},
-        "verification": {"positions": cfg.verify_positions or "all", "all_positions_every": cfg.verify_full_every,
-                         "tolerance_logits": cfg.verify_tolerance,
-                         "checks": ["prompt_tokens", "cached_tokens == 0", "shapes", "finite", "top1 lm_head(last)"]},
-    }
-    store.write_part_manifest(cfg.output_dir, index, count, samples, plan.skipped, failures, plan.records, run_facts)
-    bad = len(plan.skipped) + len(failures)
-    if plan.records and bad / plan.records > cfg.max_skip_ratio:
-        progress.state, progress.message = "failed", (
-            f"{len(failures)} samples failed verification and {len(plan.skipped)} were skipped: more than "
-            f"{cfg.max_skip_ratio:.0%}; see {store.PARTS_DIR}/{store.part_name(index, count)}.json")
-        progress.update(force=True)
-        print(f"error: {progress.message}", file=sys.stderr)
-        return EXIT_FAILED
-    message = f"part {index}/{count} complete: {len(samples)} samples stored, {len(plan.skipped)} skipped, " \
-              f"{len(failures)} failed"
-    if count == 1 and cfg.merge:
-        manifest, _ = store.merge(cfg.output_dir)
-        message += f"; {store.MANIFEST_FILE}: {manifest['num_samples']} samples, {manifest['num_tokens']:,} tokens"
-    progress.state, progress.message = "done", message
-    progress.update(force=True)
-    _log(cfg, message)
-    return EXIT_OK
+            self.log(f"float8: {worker.quantized_by['engine']} samples quantized by the engine's capture writer, "
+                     f"{here} here on the CPU" + (" (slower: the server's eagle3-pipeline predates quantizing in "
+                                                    "its capture writer; update it there)" if here else ""))
 
-
-def _run_samples(cfg: ExtractConfig, plan: Plan, worker: SampleWorker, progress: Progress,
-                 failed: dict[str, dict]) -> int:
-    """Step 4: the samples through a thread pool; journal and progress on this thread."""
-    from eagle3_pipeline.extract.client import ServerUnreachable  # noqa: PLC0415
-
-    def count(record: dict) -> None:
+    def count(self, plan: Plan, progress: Progress, record: dict) -> None:
         if record["status"] == "ok":
             plan.done[record["key"]] = record
-            failed.pop(record["key"], None)
+            plan.failed.pop(record["key"], None)
             progress.done += 1
             progress.tokens_now += record["tokens"]
         else:
-            failed[record["key"]] = record
+            plan.failed[record["key"]] = record
             progress.failed += 1
             progress.tokens_todo -= record["tokens"]
 
-    outcome = run_window(plan.todo, worker, window_size(cfg), plan.journal, count, worker.stopping,
-                         progress.update, "sample")
-    fatal = outcome.fatal
-    if fatal is not None:
-        progress.state = "failed"
-        if isinstance(fatal, ServerUnreachable):
-            code = EXIT_UNREACHABLE
-            progress.message = str(fatal)
-        elif isinstance(fatal, OSError):
-            code = EXIT_FAILED
-            free = shutil.disk_usage(cfg.output_dir).free
-            progress.message = (f"cannot store a sample: {fatal} ({_gib(free)} free in {cfg.output_dir}); the "
-                                f"{progress.done} samples stored are kept: free space there (or fix the cause) "
-                                "and rerun to continue")
-        else:
-            code = EXIT_FAILED
-            progress.message = f"{type(fatal).__name__}: {fatal}"
-        progress.update(force=True)
-        print(f"error: {progress.message}", file=sys.stderr)
-        return code
-    if outcome.stopped:
-        progress.state = "stopped"
-        progress.message = f"stopped on request after {progress.done} of {progress.total} samples; rerun to continue"
-        progress.update(force=True)
-        _log(cfg, progress.message)
-        return EXIT_STOPPED
-    return EXIT_OK
+    def finish(self, plan: Plan, progress: Progress) -> tuple[int, str]:
+        from eagle3_pipeline.conversations.dataset import dataset_facts  # noqa: PLC0415
+        from eagle3_pipeline.extract import store  # noqa: PLC0415
+
+        cfg = self.cfg
+        index, count = cfg.part
+        samples = [plan.done[p.key] for p in plan.items if p.key in plan.done]
+        failures = [{k: r[k] for k in ("line", "id", "reason", "detail")} for r in plan.failed.values()]
+        run_facts = {
+            "dataset": {**dataset_facts(cfg.dataset), "num_samples_limit": cfg.num_samples},
+            "verification": {"positions": cfg.verify_positions or "all", "all_positions_every": cfg.verify_full_every,
+                             "tolerance_logits": cfg.verify_tolerance,
+                             "checks": ["prompt_tokens", "cached_tokens == 0", "shapes", "finite",
+                                        "top1 lm_head(last)"]},
+        }
+        store.write_part_manifest(cfg.output_dir, index, count, samples, plan.skipped, failures, plan.records,
+                                  run_facts)
+        bad = len(plan.skipped) + len(failures)
+        if plan.records and bad / plan.records > cfg.max_skip_ratio:
+            return EXIT_FAILED, (
+                f"{len(failures)} samples failed verification and {len(plan.skipped)} were skipped: more than "
+                f"{cfg.max_skip_ratio:.0%}; see {store.PARTS_DIR}/{store.part_name(index, count)}.json")
+        message = f"part {index}/{count} complete: {len(samples)} samples stored, {len(plan.skipped)} skipped, " \
+                  f"{len(failures)} failed"
+        if count == 1 and cfg.merge:
+            manifest, _ = store.merge(cfg.output_dir)
+            message += f"; {store.MANIFEST_FILE}: {manifest['num_samples']} samples, {manifest['num_tokens']:,} tokens"
+        return EXIT_OK, message
+
+
+def run_extraction(cfg: ExtractConfig) -> int:
+    """The whole run; returns an exit code (see ``parts/job.py``), messages on stderr."""
+    return ExtractionJob(cfg).run()
 
 
 def offline_facts(cfg: ExtractConfig, engine: str | None, aux_layers: list[int] | None):
@@ -743,7 +615,7 @@ def offline_facts(cfg: ExtractConfig, engine: str | None, aux_layers: list[int] 
     when it differs from the one the data came from, the data is not complete for it.
     """
     from eagle3_pipeline.extract import store  # noqa: PLC0415
-    from eagle3_pipeline.extract.client import EngineFacts  # noqa: PLC0415
+    from eagle3_pipeline.server_client import EngineFacts  # noqa: PLC0415
 
     try:
         stored = store.read_settings(cfg.output_dir)
@@ -768,7 +640,7 @@ def check_status(cfg: ExtractConfig, offline: bool = False, engine: str | None =
     """``--check``: what a run would do, sending no sample. ``offline``: without the server (see
     ``offline_facts``); settings that differ from the stored ones make it incomplete, not an error."""
     from eagle3_pipeline.extract import store  # noqa: PLC0415
-    from eagle3_pipeline.extract.client import EngineClient  # noqa: PLC0415
+    from eagle3_pipeline.server_client import EngineClient  # noqa: PLC0415
 
     client = EngineClient(cfg.server_url, cfg.api_key, cfg.request_timeout_s, cfg.retries)
     facts = None
@@ -787,7 +659,7 @@ def check_status(cfg: ExtractConfig, offline: bool = False, engine: str | None =
     return {
         "part": f"{index}/{count}",
         "records": plan.records,
-        "samples": len(plan.prepared),
+        "samples": len(plan.items),
         "skipped": len(plan.skipped),
         "stored": len(plan.done),
         "todo": len(plan.todo),
@@ -800,26 +672,20 @@ def check_status(cfg: ExtractConfig, offline: bool = False, engine: str | None =
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """Options of ``eagle3-pipeline extract``."""
-    parser.add_argument("--dataset", type=path_arg, required=True,
-                        help="JSONL, or one JSON array: ShareGPT conversations or OpenAI messages")
-    parser.add_argument("--output-dir", type=path_arg, required=True)
-    parser.add_argument("--server-url", required=True, help="http://HOST:PORT of the capturing server")
+    """Options of ``eagle3-pipeline extract``: the part job's, and the extraction's."""
+    part_job.add_options(parser, server="capturing", concurrency=8, concurrency_help="requests in flight",
+                         check_help="print what a run would do as JSON; send nothing",
+                         merged_file="data_config.json")
     parser.add_argument("--api-key-env", metavar="NAME", help="read the server's API key from this variable")
     parser.add_argument("--api-key-stdin", action="store_true",
                         help="read the server's API key from the first line of standard input")
-    parser.add_argument("--model-path", type=path_str,
-        help="the target model directory here (default: the server's model_path)")
+    part_job.model_path_option(parser, "the tokenizer and lm_head")
     parser.add_argument("--capture-dir", type=path_str,
         help="the server's capture directory (default: from /server_info)")
-    parser.add_argument("--num-samples", type=int, help="only the first N records (default: all)")
-    parser.add_argument("--max-length", type=int, default=2048)
+    parser.add_argument("--max-length", type=int, default=part_job.DEFAULT_MAX_LENGTH)
     parser.add_argument("--overflow", choices=["truncate", "skip"], default="truncate",
                         help="a sample longer than --max-length is cut there, or skipped")
-    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     parser.add_argument("--shard-size", type=int, default=2000, help="samples per rows_<a>-<b> directory")
-    parser.add_argument("--part", default="0/1", help="K/N: this host's share (records with ordinal %% N == K)")
-    parser.add_argument("--chat-template", type=path_arg, help="a Jinja chat template file instead of the tokenizer's")
     parser.add_argument("--verify-positions", type=int, default=32,
                         help="check the top-1 at the last N positions of each sample (0: all positions always)")
     parser.add_argument("--verify-full-every", type=int, default=32,
@@ -835,23 +701,15 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         "float8_e4m3 (half the bytes: per-token, per-layer scales; quantized by the engine's capture "
                         "writer) or auto (the default: float8_e4m3 for a bfloat16 or float16 target, as captured for "
                         "a float32 one; a rerun keeps what the dataset holds)")
-    parser.add_argument("--retries", type=int, default=5, help="retries of a request on transient failures")
-    parser.add_argument("--request-timeout-s", type=float, default=600.0)
-    parser.add_argument("--check", action="store_true", help="print what a run would do as JSON; send nothing")
     parser.add_argument("--offline", action="store_true",
                         help="with --check: judge from the stored settings, without asking the server (the "
                         "server that would run: --model-path, --engine, --aux-layers)")
     parser.add_argument("--engine", choices=["reference", "sglang"], help="with --check --offline: the server's engine")
     parser.add_argument("--aux-layers", help="with --check --offline: the server's aux layers, comma-separated")
-    parser.add_argument("--no-merge", action="store_true", help="do not merge into data_config.json at the end")
-    parser.add_argument("--quiet", action="store_true")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="allow the tokenizer's own code (Kimi's tiktoken tokenizer needs it)")
 
 
 def config_from_args(args: argparse.Namespace) -> ExtractConfig:
-    from eagle3_pipeline.extract.store import parse_part  # noqa: PLC0415
-
+    """The run's settings from the command line; ValueError naming the option that is wrong."""
     api_key = None
     if args.api_key_stdin:
         api_key = sys.stdin.readline().strip()
@@ -861,46 +719,24 @@ def config_from_args(args: argparse.Namespace) -> ExtractConfig:
         api_key = os.environ.get(args.api_key_env)
         if not api_key:
             raise ValueError(f"--api-key-env {args.api_key_env}: that variable is unset or empty")
-    for name in ("max_length", "concurrency", "shard_size", "retries"):
-        if getattr(args, name) < (0 if name == "retries" else 1):
-            raise ValueError(f"--{name.replace('_', '-')} must be at least {0 if name == 'retries' else 1}")
+    if args.shard_size < 1:
+        raise ValueError("--shard-size must be at least 1")
     if args.verify_positions < 0 or args.verify_full_every < 0 or args.verify_tolerance < 0:
         raise ValueError("--verify-positions, --verify-full-every and --verify-tolerance must not be negative")
-    if args.num_samples is not None and args.num_samples < 1:
-        raise ValueError("--num-samples must be at least 1")
     if not 0 <= args.max_skip_ratio <= 1:
         raise ValueError("--max-skip-ratio must be between 0 and 1")
     return ExtractConfig(
-        dataset=args.dataset, output_dir=args.output_dir, server_url=args.server_url, api_key=api_key,
-        model_path=args.model_path, capture_dir=args.capture_dir, num_samples=args.num_samples,
-        max_length=args.max_length, overflow=args.overflow, concurrency=args.concurrency,
-        shard_size=args.shard_size, part=parse_part(args.part), chat_template=args.chat_template,
-        verify_positions=args.verify_positions, verify_full_every=args.verify_full_every,
-        verify_tolerance=args.verify_tolerance,
-        verify_device=args.verify_device, max_skip_ratio=args.max_skip_ratio, retries=args.retries,
-        request_timeout_s=args.request_timeout_s, merge=not args.no_merge, quiet=args.quiet,
-        trust_remote_code=args.trust_remote_code, storage_dtype=args.storage_dtype,
+        **part_job.config_fields(args, api_key), capture_dir=args.capture_dir, overflow=args.overflow,
+        shard_size=args.shard_size, verify_positions=args.verify_positions, verify_full_every=args.verify_full_every,
+        verify_tolerance=args.verify_tolerance, verify_device=args.verify_device, max_skip_ratio=args.max_skip_ratio,
+        storage_dtype=args.storage_dtype,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     """``eagle3-pipeline extract``."""
-    try:
-        cfg = config_from_args(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    if args.check:
-        from eagle3_pipeline.extract.client import ServerUnreachable  # noqa: PLC0415
+    def check(cfg: ExtractConfig) -> dict:
+        aux = [int(i) for i in args.aux_layers.split(",")] if args.aux_layers else None
+        return check_status(cfg, args.offline, args.engine, aux)
 
-        try:
-            aux = [int(i) for i in args.aux_layers.split(",")] if args.aux_layers else None
-            print(json.dumps(check_status(cfg, args.offline, args.engine, aux), sort_keys=True))
-        except ServerUnreachable as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return EXIT_UNREACHABLE
-        except (OSError, ValueError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        return EXIT_OK
-    return run_extraction(cfg)
+    return part_job.main(args, config_from_args, check, ExtractionJob)

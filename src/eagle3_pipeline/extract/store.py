@@ -22,12 +22,8 @@ off on the next open.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
-import tempfile
-import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,49 +31,39 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from eagle3_pipeline.atomic import atomic_write, atomic_write_text
+from eagle3_pipeline.atomic import atomic_write
 from eagle3_pipeline.capture.writer import save_safetensors
 from eagle3_pipeline.checksum import file_sha256  # noqa: F401 - also this module's public name
 from eagle3_pipeline.extract import storage
+from eagle3_pipeline.parts import files
+
+# The part files every stage of this kind shares (parts/files.py), used here and by this module's readers.
+from eagle3_pipeline.parts.files import (  # noqa: F401
+    INFORMATIONAL_SETTINGS,
+    PARTS_DIR,
+    Journal,
+    StoreError,
+    parse_part,
+    part_name,
+    settings_text,
+    write_if_changed,
+)
 
 FORMAT = "eagle3-pipeline/hidden-states"
 FORMAT_VERSION = 1
 SETTINGS_FILE = "extraction.json"
 MANIFEST_FILE = "data_config.json"
 TOKEN_COUNTS_FILE = "token_counts.safetensors"
-PARTS_DIR = "parts"
-# Recorded for the reader, but not compared between runs: they do not change the stored values.
-INFORMATIONAL_SETTINGS = ("target_model_path", "engine_version", "chat_template_file")
 # Compared between runs, but not part of a sample's key: how the values are stored, not which
 # values; convert-storage changes it and the journals' keys stay valid.
 STORAGE_SETTINGS = ("storage_dtype",)
 SAMPLE_SUFFIX = ".safetensors"
 
 
-class StoreError(ValueError):
-    """The output directory cannot be used as asked; the message says why and what to do."""
-
-
 def shard_dir_name(ordinal: int, shard_size: int) -> str:
     """``rows_<a>-<b>`` holding record ``ordinal`` (a multiple of ``shard_size``)."""
     start = ordinal // shard_size * shard_size
     return f"rows_{start}-{start + shard_size}"
-
-
-def part_name(index: int, count: int) -> str:
-    """``part-K-of-N``."""
-    return f"part-{index}-of-{count}"
-
-
-def parse_part(text: str) -> tuple[int, int]:
-    """``"K/N"`` to (K, N), 0 <= K < N."""
-    try:
-        index, count = (int(x) for x in text.split("/"))
-    except ValueError:
-        raise ValueError(f"part {text!r}: expected K/N, e.g. 0/2 for the first of two hosts") from None
-    if not 0 <= index < count:
-        raise ValueError(f"part {text!r}: need 0 <= K < N")
-    return index, count
 
 
 def write_sample(path: Path, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor,
@@ -110,51 +96,19 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
 
 
 # -- the settings lock --------------------------------------------------------------------
-def claim_settings(out_dir: Path, settings: dict, create: bool = True, *, file_name: str = SETTINGS_FILE,
-                   what: str = "data extracted") -> bool:
-    """Record ``settings`` in ``D/extraction.json`` (or ``file_name``), or check that they match the recorded ones.
-
-    Returns True when this call created the file. Refuses (``StoreError`` naming every field
-    that differs) to mix data made with other settings in one directory. ``create=False``
-    only compares (when the file exists). ``what`` says what the directory holds, in that message.
-    """
-    path = out_dir / file_name
-    text = settings_text(settings)
-    if not create and not path.exists():
-        return False
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # Written whole beside it, then linked into place: link fails if another host (or run) got
-    # there first, and no reader ever sees a half-written file.
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{file_name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.chmod(tmp, 0o644)
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        recorded = json.loads(path.read_text())
-        differ = sorted(key for key in set(recorded) | set(settings)
-                        if key not in INFORMATIONAL_SETTINGS and recorded.get(key) != settings.get(key))
-        if differ:
-            lines = "; ".join(f"{key}: recorded {recorded.get(key)!r}, now {settings.get(key)!r}" for key in differ)
-            hint = ""
-            if set(differ) <= set(STORAGE_SETTINGS):
-                hint = (f" (storage_dtype unset means as captured; set extraction_storage_dtype to what the data is "
-                        f"stored in, or convert the stored data: eagle3-pipeline convert-storage {out_dir} --to "
-                        f"{storage.FLOAT8})")
-            raise StoreError(
-                f"{out_dir} holds {what} with other settings ({lines}){hint}; use another output directory, "
-                "or delete that one to start over"
-            ) from None
-        return False
-    finally:
-        os.unlink(tmp)
-    return True
+def _storage_hint(out_dir: Path, differ: list[str]) -> str:
+    if not set(differ) <= set(STORAGE_SETTINGS):
+        return ""
+    return (" (storage_dtype unset means as captured; set extraction_storage_dtype to what the data is stored in, "
+            f"or convert the stored data: eagle3-pipeline convert-storage {out_dir} --to {storage.FLOAT8})")
 
 
-def settings_text(settings: dict) -> str:
-    """``extraction.json``'s text for ``settings``."""
-    return json.dumps(settings, indent=2, sort_keys=True) + "\n"
+def claim_settings(out_dir: Path, settings: dict, create: bool = True) -> bool:
+    """Record ``settings`` in ``D/extraction.json``, or check that they match the recorded ones
+    (``files.claim_settings``: True when this call created the file, ``StoreError`` naming every
+    field that differs)."""
+    return files.claim_settings(out_dir, settings, create, file_name=SETTINGS_FILE, what="data extracted",
+                                hint=lambda differ: _storage_hint(out_dir, differ))
 
 
 def read_settings(out_dir: Path) -> dict:
@@ -162,72 +116,6 @@ def read_settings(out_dir: Path) -> dict:
     if not path.is_file():
         raise StoreError(f"{out_dir}: no {SETTINGS_FILE}: not an extraction output directory (or nothing ran yet)")
     return json.loads(path.read_text())
-
-
-# -- the journal --------------------------------------------------------------------------
-class Journal:
-    """Append-only JSON lines; the last record of a key wins."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._lock = threading.Lock()
-        self._handle = None
-
-    def load(self, repair: bool = True) -> dict[str, dict]:
-        """Records by key, after cutting off a torn last line (kill -9 during an append).
-
-        ``repair=False`` only reads (a reader beside a live run must not cut its append).
-        """
-        records: dict[str, dict] = {}
-        if not self.path.exists():
-            return records
-        raw = self.path.read_bytes()
-        end = raw.rfind(b"\n") + 1
-        if end != len(raw) and repair:
-            with open(self.path, "r+b") as handle:
-                handle.truncate(end)
-        for line in raw[:end].splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue  # a line torn and then followed by others (should not happen; never trusted)
-            records[record["key"]] = record
-        return records
-
-    @staticmethod
-    def _line(record: dict) -> str:
-        return json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n"
-
-    def rewrite(self, records: Iterable[dict]) -> bool:
-        """Replace the journal, atomically, by ``records`` (one line each); True when it changed.
-
-        Only while nothing appends to it (``convert-storage`` holds the part's lock).
-        """
-        self.close()
-        return write_if_changed(self.path, "".join(self._line(record) for record in records))
-
-    def append(self, record: dict) -> None:
-        line = self._line(record)
-        with self._lock:
-            if self._handle is None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
-            try:
-                self._handle.write(line)
-                self._handle.flush()
-            except OSError:
-                # A full disk: drop the buffered rest of the line (closing would retry it); at
-                # worst a torn line stays, which load() never trusts.
-                handle, self._handle = self._handle, None
-                with contextlib.suppress(OSError):
-                    handle.close()
-                raise
-
-    def close(self) -> None:
-        with self._lock:
-            if self._handle is not None:
-                self._handle.close()
-                self._handle = None
 
 
 def stored_ok(out_dir: Path, record: dict | None) -> bool:
@@ -243,17 +131,6 @@ def stored_ok(out_dir: Path, record: dict | None) -> bool:
 # -- manifests ----------------------------------------------------------------------------
 def _dump(document: dict) -> str:
     return json.dumps(document, indent=1, sort_keys=True) + "\n"
-
-
-def write_if_changed(path: Path, text: str) -> bool:
-    """Write ``text`` atomically unless the file already holds it; True when written."""
-    try:
-        if path.read_text() == text:
-            return False
-    except OSError:
-        pass
-    atomic_write_text(path, text)
-    return True
 
 
 def write_part_manifest(out_dir: Path, index: int, count: int, samples: list[dict], skipped: list[dict],

@@ -88,7 +88,7 @@ def regenerate_conversation(messages, renderer, generate: Callable[[list[int], i
     even the first answer fits in ``max_length``; template_error), and ``NotAnswered`` when
     ``stopping()`` turns true before a request.
     """
-    from eagle3_pipeline.extract.template import SampleError  # noqa: PLC0415
+    from eagle3_pipeline.conversations.template import SampleError  # noqa: PLC0415
 
     if on_length not in ON_LENGTH:
         raise ValueError(f"on_length must be one of {', '.join(ON_LENGTH)}, got {on_length!r}")

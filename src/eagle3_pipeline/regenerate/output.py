@@ -27,24 +27,17 @@ from collections import Counter
 from pathlib import Path
 
 from eagle3_pipeline.checksum import file_sha256
+from eagle3_pipeline.parts.files import PARTS_DIR, part_path, write_if_changed
 
 FORMAT = "eagle3-pipeline/regenerated-conversations"
 SETTINGS_FILE = "regeneration-settings.json"
 OUTPUT_FILE = "regenerated.jsonl"
 SUMMARY_FILE = "regeneration.json"
-PARTS_DIR = "parts"
 COUNTS = ("turns", "turns_left_out", "leading_dropped", "prompt_tokens", "generated_tokens", "truncated_kept")
 
 
 class OutputError(ValueError):
     """The output directory cannot be merged as it is; the message says why and what to do."""
-
-
-def part_path(out_dir: Path, index: int, count: int, suffix: str) -> Path:
-    """``D/parts/part-K-of-N<suffix>``."""
-    from eagle3_pipeline.extract.store import part_name  # noqa: PLC0415
-
-    return out_dir / PARTS_DIR / f"{part_name(index, count)}{suffix}"
 
 
 def conversation_line(sample_id: str, messages: list[dict]) -> str:
@@ -82,7 +75,6 @@ def part_documents(index: int, count: int, records: int, finished: list[dict], r
 
 def write_part(out_dir: Path, index: int, count: int, texts: tuple[str, str]) -> bool:
     """Write the part's conversations, then its summary (the summary marks the part done); True when written."""
-    from eagle3_pipeline.extract.store import write_if_changed  # noqa: PLC0415
 
     changed = write_if_changed(part_path(out_dir, index, count, ".jsonl"), texts[0])
     return write_if_changed(part_path(out_dir, index, count, ".json"), texts[1]) or changed
@@ -148,7 +140,6 @@ def merge(out_dir: Path) -> tuple[dict, bool]:
 
     Every part 0..N-1 of one N must be done; over unchanged parts nothing is rewritten.
     """
-    from eagle3_pipeline.extract.store import write_if_changed  # noqa: PLC0415
 
     if not (out_dir / SETTINGS_FILE).is_file():
         raise OutputError(f"{out_dir}: no {SETTINGS_FILE}: not a regeneration output directory (or nothing ran yet)")

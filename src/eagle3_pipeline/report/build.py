@@ -105,6 +105,7 @@ def summary(inputs: ReportInputs) -> dict:
         "verdict": run_verdict(inputs).word,  # PASSED, FAILED, NOT JUDGED or NOT MEASURED, as the page heads it
         "measured_tau": acceptance.measured_tau if not acceptance.reason else None,
         "simulated_tau": acceptance.simulated_tau,
+        "draft_tokens": (inputs.evaluation.record or {}).get("draft_tokens"),  # the chain of both
         "acceptance_not_measured": acceptance.reason,
         "drafter_dir": str(inputs.drafter.directory),
         "num_samples": (inputs.extraction.manifest or {}).get("num_samples"),

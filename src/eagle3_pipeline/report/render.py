@@ -608,17 +608,24 @@ def drafter_section(inputs: ReportInputs) -> Html:
     return join(parts)
 
 
+def _chain_of(inputs: ReportInputs) -> str:
+    """`` at N drafts``: the chain length the headline taus are for, or nothing when unknown."""
+    chain = (inputs.evaluation.record or {}).get("draft_tokens")
+    return f" at {chain} drafts" if isinstance(chain, int) and not isinstance(chain, bool) else ""
+
+
 def summary_cards(inputs: ReportInputs) -> Html:
     """The run at a glance."""
     m = inputs.extraction.manifest or {}
     acceptance = inputs.acceptance
     verdict = (inputs.evaluation.record or {}).get("verdict")
     cards = [
-        ("measured acceptance length tau", number(acceptance.measured_tau, 2) if not acceptance.reason
-         else "not measured"),
+        ("measured acceptance length tau" + _chain_of(inputs), number(acceptance.measured_tau, 2)
+         if not acceptance.reason else "not measured"),
         ("evaluation verdict", "-" if not isinstance(verdict, dict) else
          "passed" if verdict.get("passed", True) else "FAILED"),
-        ("simulated tau (training)", number(acceptance.simulated_tau, 2) if acceptance.simulated_tau else "-"),
+        ("simulated tau (training)" + _chain_of(inputs), number(acceptance.simulated_tau, 2)
+         if acceptance.simulated_tau else "-"),
         ("samples", number(m.get("num_samples"))),
         ("tokens", number(m.get("num_tokens"))),
         ("hidden states on disk", size(m.get("bytes")).split(" (")[0]),

@@ -112,9 +112,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from eagle3_pipeline.atomic import atomic_write, atomic_write_text
-from eagle3_pipeline.capture.layers import check_aux_layers
+from eagle3_pipeline.capture.layers import AUX_LAYER_CONVENTION, check_aux_layers
 from eagle3_pipeline.capture.writer import save_safetensors
-from eagle3_pipeline.extract.job import AUX_LAYER_CONVENTION
 from eagle3_pipeline.serve.sglang_command import LAYER_ID_CONVENTIONS, SGLANG_VERSION, sglang_layer_ids
 from eagle3_pipeline.train.vocab import VocabError, check_mapping
 

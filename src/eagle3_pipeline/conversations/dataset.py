@@ -13,7 +13,16 @@ nor silently train on garbage, so every record becomes exactly one of:
 
 The job decides, from the share of skips, whether to go on (``--max-skip-ratio``).
 
-Two layouts are read, told apart by the content, not the file name: a file whose first
+Tables are read too, through pyarrow (the ``parquet`` extra): Parquet files (``*.parquet``, as
+dataset hubs publish them, one row group at a time) and Arrow files (``*.arrow``, as Hugging
+Face's ``save_to_disk`` writes them, one record batch at a time), a row a record, with the
+same fields. A row group that cannot be read is one skip per row (its rows keep their
+ordinals); a file whose footer is gone (cut short by a download) is an error naming it. A
+folder is read as one dataset: a ``save_to_disk`` folder in the order of its ``state.json``,
+any other folder as its ``.parquet``, ``.arrow``, ``.jsonl`` and ``.json`` files in name order
+(``train-00000-of-00004.parquet``, ...), the ordinals running on from file to file.
+
+Two text layouts are read, told apart by the content, not the file name: a file whose first
 non-blank byte is ``[`` is one JSON array of records (how ShareGPT is distributed, often
 pretty-printed and often cut off inside its last record by a size limit); any other file is
 JSON Lines, one record per line.
@@ -51,6 +60,7 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import BinaryIO
 
 SAFE_STEM = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -228,11 +238,16 @@ _PREVIEW = 40
 class _Raw:
     """One record as read from the file: where it starts, and its object or why there is none."""
 
-    line: int
-    offset: int
+    line: int  # a table's row number (1-based) in its file
+    offset: int | None
     value: dict | None = None
     reason: str | None = None
     detail: str = ""
+    where: str | None = None  # a table's row: "<file> row N"
+
+
+class DatasetError(ValueError):
+    """The dataset cannot be read at all; the message names the file and the fix."""
 
 
 def _line_record(line: int, offset: int, raw: bytes) -> _Raw:
@@ -603,16 +618,145 @@ def _layout(stream: BinaryIO) -> tuple[str, int]:
     return "lines", bom
 
 
-def _read(path, num_samples: int | None) -> Iterator[Sample | Skip]:
+TABLE_SUFFIXES = (".parquet", ".arrow")
+TEXT_SUFFIXES = (".jsonl", ".json")
+
+
+def dataset_files(path: str | os.PathLike) -> list[Path]:
+    """The files of the dataset at ``path``, in reading order: the file itself, or a folder's files."""
+    root = Path(path)
+    if not root.is_dir():
+        return [root]
+    state = root / "state.json"
+    if state.is_file():  # datasets.save_to_disk: its Arrow files, in its order
+        try:
+            files = [root / entry["filename"] for entry in json.loads(state.read_text())["_data_files"]]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise DatasetError(f"{state}: not a Hugging Face dataset state ({exc}); save the dataset again") from None
+    elif (root / "dataset_dict.json").is_file():
+        splits = ", ".join(sorted(p.name for p in root.iterdir() if p.is_dir()))
+        raise DatasetError(f"{root} holds a dataset with splits ({splits}): point at one split's folder, e.g. "
+                           f"{root}/train")
+    else:
+        files = sorted(p for p in root.iterdir() if p.suffix in TABLE_SUFFIXES + TEXT_SUFFIXES and p.is_file())
+    if not files:
+        raise DatasetError(f"{root}: no dataset files there (.parquet, .arrow, .jsonl, .json, or a Hugging Face "
+                           "dataset folder with state.json); point at the file, or at the folder that holds them")
+    return files
+
+
+def dataset_facts(path: str | os.PathLike) -> dict:
+    """What the manifests record of the dataset read: its name and checksum (a folder: each file's)."""
+    from eagle3_pipeline.checksum import file_sha256  # noqa: PLC0415
+
+    root = Path(path)
+    if not root.is_dir():
+        return {"name": root.name, "sha256": file_sha256(root)}
+    return {"name": root.name, "files": [{"name": f.name, "sha256": file_sha256(f)} for f in dataset_files(root)]}
+
+
+def _pyarrow():
+    try:
+        import pyarrow  # noqa: PLC0415
+        import pyarrow.parquet  # noqa: F401, PLC0415
+    except ImportError:
+        raise DatasetError("reading Parquet and Arrow datasets needs pyarrow: install eagle3-pipeline[parquet] "
+                           "(the hosts' install has it unless eagle3_parquet is false)") from None
+    return pyarrow
+
+
+def _without_nulls(value):
+    """A table row as the JSON record it came from: a struct column has every key of every row,
+    null where a row has none (ShareGPT turns of ``from``/``value`` beside ``role``/``content``)."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def _row(name: str, row: int, value) -> _Raw:
+    where = f"{name} row {row}"
+    if not isinstance(value, dict):
+        return _Raw(row, None, None, "not_an_object", f"{where} is {_type_name(value)}", where)
+    return _Raw(row, None, _without_nulls(value), where=where)
+
+
+def _parquet_rows(path: Path) -> Iterator[_Raw]:
+    pa = _pyarrow()
+    try:
+        table = pa.parquet.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise DatasetError(f"{path}: not a readable Parquet file ({exc}); a file cut short (an interrupted download) "
+                           "loses its footer, which holds the schema: fetch it again") from None
+    row = 0
+    for group in range(table.num_row_groups):
+        count = table.metadata.row_group(group).num_rows
+        try:
+            values = table.read_row_group(group).to_pylist()
+        except (pa.ArrowException, OSError) as exc:
+            for k in range(1, count + 1):
+                where = f"{path.name} row {row + k}"
+                yield _Raw(row + k, None, None, "unreadable_row_group",
+                           f"{where}: its row group {group} cannot be read ({exc}); fetch the file again", where)
+            row += count
+            continue
+        for value in values:
+            row += 1
+            yield _row(path.name, row, value)
+
+
+def _arrow_rows(path: Path) -> Iterator[_Raw]:
+    pa = _pyarrow()
+    try:
+        source = pa.memory_map(str(path))
+        try:
+            batches = iter(pa.ipc.open_stream(source))  # save_to_disk writes the stream format
+        except pa.ArrowInvalid:
+            reader = pa.ipc.open_file(source)
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+    except (pa.ArrowException, OSError) as exc:
+        raise DatasetError(f"{path}: not a readable Arrow file ({exc}); save or fetch it again") from None
+    row = 0
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (pa.ArrowException, OSError) as exc:  # cut short: the rest is one skip, as in a JSON array
+            where = f"{path.name} row {row + 1}"
+            yield _Raw(row + 1, None, None, "truncated",
+                       f"{where} and after: the file ends inside a record batch ({exc}); every row before it is "
+                       "kept: save or fetch the file again for the rest", where)
+            return
+        for value in batch.to_pylist():
+            row += 1
+            yield _row(path.name, row, value)
+
+
+def _text_rows(path: Path) -> Iterator[_Raw]:
     with open(path, "rb") as stream:
         layout, bom = _layout(stream)
         if layout == "array":
             stream.seek(bom)
-            raws = _ArrayRecords(stream, bom, os.fstat(stream.fileno()).st_size)
+            yield from _ArrayRecords(stream, bom, os.fstat(stream.fileno()).st_size)
         else:
             stream.seek(0)
-            raws = _lines(stream)
-        yield from _checked(iter(raws), layout == "array", num_samples)
+            yield from _lines(stream)
+
+
+def _is_array(path: Path) -> bool:
+    with open(path, "rb") as stream:
+        return _layout(stream)[0] == "array"
+
+
+def _read(path, num_samples: int | None) -> Iterator[Sample | Skip]:
+    files = dataset_files(path)
+    readers = {".parquet": _parquet_rows, ".arrow": _arrow_rows}
+    # Ids made from the place are "record-<ordinal>" unless the dataset is one JSON Lines file ("line-<line>").
+    numbered = len(files) > 1 or files[0].suffix in readers or _is_array(files[0])
+    raws = itertools.chain.from_iterable(readers.get(f.suffix, _text_rows)(f) for f in files)
+    yield from _checked(raws, numbered, num_samples)
 
 
 def _checked(raws: Iterator[_Raw], in_array: bool, num_samples: int | None) -> Iterator[Sample | Skip]:
@@ -629,9 +773,13 @@ def _checked(raws: Iterator[_Raw], in_array: bool, num_samples: int | None) -> I
         # A made-up id must be unique in the file: a line holds one record of JSON Lines, but a
         # line of an array (a compact one is a single line) may hold many.
         sample_id = given if given is not None else f"record-{ordinal}" if in_array else f"line-{line}"
-        # In an array the byte offset finds the record where line numbers cannot.
-        place = f"line {line} (byte {offset})" if in_array else f"line {line}"
-        prefix = f"record at byte {offset}: " if in_array else ""
+        # In an array the byte offset finds the record where line numbers cannot; a table's row is named.
+        if raw.where:
+            place, prefix = raw.where, f"{raw.where}: "
+        elif offset is not None and in_array:
+            place, prefix = f"line {line} (byte {offset})", f"record at byte {offset}: "
+        else:
+            place, prefix = f"line {line}", ""
         try:
             messages = _messages(raw.value)
         except _Bad as bad:
@@ -667,7 +815,8 @@ def _checked(raws: Iterator[_Raw], in_array: bool, num_samples: int | None) -> I
 
 
 def read_dataset(path: str | os.PathLike, num_samples: int | None = None) -> Iterator[Sample | Skip]:
-    """Each record of the dataset at ``path`` (JSON Lines, or one JSON array), in file order, as a Sample or a Skip.
+    """Each record of the dataset at ``path`` (JSON Lines, one JSON array, Parquet, Arrow, or a folder of
+    them), in order, as a Sample or a Skip.
 
     The layout is told by the content: a first non-blank byte ``[`` is an array, anything else
     JSON Lines. ``num_samples`` keeps the first N records (non-blank lines or array elements,
