@@ -100,7 +100,8 @@ def write_inventory(work: Path, args, regenerate: bool) -> Path:
         "sglang_server_gpu_reset_after_stop": regenerate,
         "regeneration_enabled": regenerate, "regeneration_output_dir": str(work / "regeneration"),
         "regeneration_max_new_tokens": args.regeneration_max_new_tokens,
-        "extraction_dataset": str(args.sharegpt), "extraction_num_samples": args.conversations,
+        # ShareGPT alone (the example inventory adds a second source, which this machine does not have).
+        "extraction_dataset": str(args.sharegpt), "eagle3_parquet": False, "extraction_num_samples": args.conversations,
         "extraction_max_length": args.max_length,
         # Stored as captured by default: --fp8 makes the float8 copy of these states and compares the two.
         "extraction_storage_dtype": args.storage_dtype,

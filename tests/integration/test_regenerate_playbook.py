@@ -112,3 +112,36 @@ def test_check_then_a_run_with_its_own_serving_server_then_a_rerun_that_starts_n
     done = subprocess.run([sys.executable, "-m", "eagle3_pipeline.cli", "progress", str(out)], capture_output=True,
                           text=True, check=False)
     assert f"{NUM_SAMPLES}/{NUM_SAMPLES} conversations" in done.stdout, done.stderr
+
+
+def test_a_mixture_of_sources_in_the_inventory_is_regenerated_with_each_sources_share(tmp_path, tmp_path_factory):
+    """regeneration_dataset as a list of sources, as an inventory names ShareGPT and a second dataset."""
+    from eagle3_pipeline.data.demo_dataset import write_demo_dataset
+
+    model = built_tiny_model()
+    first, second = tmp_path / "sharegpt.jsonl", tmp_path / "traffic.jsonl"
+    write_demo_dataset(first, num_samples=4)
+    write_demo_dataset(second, num_samples=3)
+    out = tmp_path / "regenerated"
+    extravars = {
+        "sglang_server_model_path": str(model), "sglang_server_state_dir": str(tmp_path / "servers"),
+        "sglang_server_capture_dir": str(tmp_path / "capture"), "sglang_server_gpu_reset_after_stop": False,
+        "regeneration_dataset": [{"path": str(first), "count": 3}, {"path": str(tmp_path / "gone.parquet")}],
+        "regeneration_output_dir": str(out), "regeneration_state_dir": str(tmp_path / "jobs"),
+        "regeneration_max_new_tokens": 8, "regeneration_server_port": free_port(), "regeneration_poll_s": 1,
+        "regeneration_command_poll_s": 1, "regeneration_timeout_s": 600,
+    }
+
+    missing = Run(run_project_playbook(tmp_path_factory.mktemp("runner"), PLAYBOOK, INVENTORY, extravars))
+
+    assert missing.status == "failed"
+    assert f"the dataset {tmp_path / 'gone.parquet'} does not exist on this host" in missing.stdout
+    assert not out.exists()
+
+    extravars["regeneration_dataset"][1] = {"path": str(second), "name": "ours"}
+    done = Run(run_project_playbook(tmp_path_factory.mktemp("runner"), PLAYBOOK, INVENTORY, extravars))
+
+    assert done.status == "successful", done.stdout
+    ids = [json.loads(line)["id"] for line in (out / "regenerated.jsonl").read_text().splitlines()]
+    assert [i.split(".")[0] for i in ids] == ["sharegpt"] * 3 + ["ours"] * 3
+    assert json.loads((out / "regeneration.json").read_text())["sources"] == {"ours": 3, "sharegpt": 3}

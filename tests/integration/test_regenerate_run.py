@@ -306,3 +306,30 @@ def test_a_folder_of_parquet_shards_killed_midway_resumes_to_the_jsonl_runs_conv
     assert (out / "regenerated.jsonl").read_bytes() == (reference_run / "regenerated.jsonl").read_bytes()
     summary = json.loads((out / "regeneration.json").read_text())
     assert [f["name"] for f in summary["dataset"]["files"]] == [f"train-{k:05d}-of-00003.parquet" for k in range(3)]
+
+
+def test_a_mixture_of_two_sources_takes_their_counts_and_records_each_conversations_source(
+    reference_run, dataset, server, tmp_path
+):
+    """ShareGPT-style JSON Lines and a Parquet source in one run, as the inventory's list names them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = [json.loads(line) for line in dataset.read_text().splitlines()[:NUM_CONVERSATIONS]]
+    traffic = tmp_path / "traffic.parquet"
+    pq.write_table(pa.Table.from_struct_array(pa.array(records[:3])), traffic)
+    sources = [{"path": str(dataset), "name": "sharegpt", "count": 4}, {"path": str(traffic)}]
+    out = tmp_path / "out"
+
+    done = regenerate(Path(json.dumps(sources)), out, server.url)
+
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in (out / "regenerated.jsonl").read_text().splitlines()]
+    reference = {r["id"]: r for r in map(json.loads, (reference_run / "regenerated.jsonl").read_text().splitlines())}
+    assert [r["id"] for r in lines] == [f"sharegpt.{r['id']}" for r in records[:4]] + \
+        [f"traffic.{r['id']}" for r in records[:3]]
+    # Greedy answers of the same conversations: the same turns whichever source they came from.
+    assert all(r["messages"] == reference[r["id"].split(".", 1)[1]]["messages"] for r in lines)
+    summary = json.loads((out / "regeneration.json").read_text())
+    assert summary["sources"] == {"sharegpt": 4, "traffic": 3}
+    assert [s["source"] for s in summary["dataset"]["sources"]] == ["sharegpt", "traffic"]

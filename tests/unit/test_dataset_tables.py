@@ -139,3 +139,50 @@ def test_folders_that_hold_no_dataset_say_what_to_point_at(tmp_path):
     (splits / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
     with pytest.raises(DatasetError, match=r"splits \(test, train\): point at one split's folder"):
         list(read_dataset(splits))
+
+
+def test_a_mixture_takes_each_sources_count_or_weighted_share_with_ids_that_name_it(tmp_path):
+    from eagle3_pipeline.conversations.dataset import parse_sources
+
+    sharegpt = write_parquet_shards(tmp_path / "sharegpt", RECORDS, shards=2)
+    ours = write_jsonl(tmp_path / "traffic.jsonl", [{k: v for k, v in r.items() if k != "id"} for r in RECORDS])
+    counted = parse_sources([{"path": str(sharegpt), "count": 6}, {"path": str(ours), "name": "ours", "count": 3}])
+    items = list(read_dataset(counted))
+    assert [i.ordinal for i in items] == list(range(9))
+    assert [i.sample_id for i in items] == [f"sharegpt.c{k}" for k in range(6)] + ["ours.line-1", "ours.line-2",
+                                                                                    "ours.line-3"]
+    assert {i.source for i in items} == {"sharegpt", "ours"} and items[6].messages == items[0].messages
+    # Shares of num_samples by weight (3:1 of 8), the largest remainders rounded up; skips keep their place.
+    weighted = parse_sources(json.dumps([{"path": str(sharegpt), "weight": 3}, {"path": str(ours), "weight": 1}]))
+    items = list(read_dataset(weighted, num_samples=8))
+    assert [i.source for i in items] == ["sharegpt"] * 6 + ["traffic"] * 2
+    assert [i.sample_id for i in items][:6] == [f"sharegpt.c{k}" for k in range(6)]
+    # The same records as a JSON Lines source and a Parquet one: the same messages, told apart by their ids.
+    twice = list(read_dataset(parse_sources([{"path": str(sharegpt), "name": "a"},
+                                             {"path": str(write_jsonl(tmp_path / "b.jsonl", RECORDS))}])))
+    first, second = twice[:len(RECORDS)], twice[len(RECORDS):]
+    assert [o[2] for o in outcomes(first)] == [o[2] for o in outcomes(second)]
+    assert [i.sample_id.split(".", 1)[1] for i in first] == [i.sample_id.split(".", 1)[1] for i in second]
+    assert [i.reason for i in twice if isinstance(i, Skip)] == ["empty_conversation"] * 2
+
+
+@pytest.mark.parametrize(("sources", "message"), [
+    ([{"path": "/a.jsonl", "count": 2}, {"path": "/b/a.parquet"}], "the name.s. a stand for more than one source"),
+    ([{"path": "/a.jsonl", "weight": 1}, {"path": "/b.jsonl", "count": 3}], "every source a weight, or none"),
+    ([{"path": "/a.jsonl", "count": 0}], "count must be a whole number >= 1"),
+    ([{"path": "/a.jsonl", "share": 0.5}], "unknown key.s. share"),
+    ([], "non-empty list"),
+])
+def test_a_mixture_that_cannot_be_read_as_meant_is_refused_naming_the_source(sources, message):
+    from eagle3_pipeline.conversations.dataset import parse_sources
+
+    with pytest.raises(ValueError, match=message):
+        parse_sources(sources)
+
+
+def test_weights_without_a_total_ask_for_num_samples(tmp_path):
+    from eagle3_pipeline.conversations.dataset import parse_sources
+
+    path = write_jsonl(tmp_path / "a.jsonl", RECORDS)
+    with pytest.raises(ValueError, match="share num_samples"):
+        list(read_dataset(parse_sources([{"path": str(path), "weight": 1}])))

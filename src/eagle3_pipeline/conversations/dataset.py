@@ -95,6 +95,7 @@ class Sample:
     messages: tuple  # ({"role": "system"|"user"|"assistant", "content": str}, ...)
     offset: int | None = None  # byte offset in the file where the record starts
     id_generated: bool = False  # the record had no usable id: sample_id is "line-<line>" or "record-<ordinal>"
+    source: str | None = None  # in a mixture: the name of the source it came from (its id starts "<name>.")
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class Skip:
     reason: str
     detail: str
     offset: int | None = None  # byte offset in the file where the record (or the unreadable part) starts
+    source: str | None = None  # in a mixture: the source it came from
 
 
 class _Bad(Exception):
@@ -645,10 +647,16 @@ def dataset_files(path: str | os.PathLike) -> list[Path]:
     return files
 
 
-def dataset_facts(path: str | os.PathLike) -> dict:
-    """What the manifests record of the dataset read: its name and checksum (a folder: each file's)."""
+def dataset_facts(path) -> dict:
+    """What the manifests record of the dataset read: its name and checksum (a folder: each file's; a
+    mixture: each source's, with its name and its count or weight)."""
     from eagle3_pipeline.checksum import file_sha256  # noqa: PLC0415
 
+    if isinstance(path, (list, tuple)):
+        return {"name": "+".join(s.name for s in path),
+                "sources": [{**dataset_facts(s.path), "source": s.name, "path": str(s.path),
+                             **({"count": s.count} if s.count is not None else {}),
+                             **({"weight": s.weight} if s.weight is not None else {})} for s in path]}
     root = Path(path)
     if not root.is_dir():
         return {"name": root.name, "sha256": file_sha256(root)}
@@ -814,6 +822,105 @@ def _checked(raws: Iterator[_Raw], in_array: bool, num_samples: int | None) -> I
         yield Sample(ordinal, line, sample_id, stem, messages, offset, given is None)
 
 
+# -- mixtures ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Source:
+    """One dataset of a mixture: where it is, its name, and how many of its records to take."""
+
+    path: Path
+    name: str
+    count: int | None = None  # its first N records (skips included); None with no weight: all of them
+    weight: float | None = None  # its share of num_samples
+
+
+def parse_sources(value) -> list[Source]:
+    """A mixture from its description: a list of ``{path, name?, count? | weight?}`` (or its JSON text).
+
+    Every source takes a count, or every one a weight (shares of ``num_samples``), or none does
+    (all of each). Names (default: the file's or folder's stem) must differ: they prefix the ids
+    (``<name>.<id>``) so that two sources' ids never meet. Raises ValueError naming what is wrong.
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"dataset sources: not a JSON list ({exc})") from None
+    if not isinstance(value, list) or not value:
+        raise ValueError("dataset sources: expected a non-empty list of {path, count or weight}")
+    sources = []
+    for k, entry in enumerate(value):
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or not entry["path"].strip():
+            raise ValueError(f"dataset source {k}: expected an object with a 'path', got {entry!r}")
+        unknown = sorted(set(entry) - {"path", "name", "count", "weight"})
+        if unknown:
+            raise ValueError(f"dataset source {k} ({entry['path']}): unknown key(s) {', '.join(unknown)}; a source "
+                             "takes path, name, and count or weight")
+        count, weight = entry.get("count"), entry.get("weight")
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+            raise ValueError(f"dataset source {k} ({entry['path']}): count must be a whole number >= 1, got {count!r}")
+        if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0):
+            raise ValueError(f"dataset source {k} ({entry['path']}): weight must be a number > 0, got {weight!r}")
+        if count is not None and weight is not None:
+            raise ValueError(f"dataset source {k} ({entry['path']}): give a count or a weight, not both")
+        path = Path(entry["path"])
+        name = str(entry.get("name") or path.name.split(".")[0])
+        if not SAFE_STEM.fullmatch(name):
+            raise ValueError(f"dataset source {k}: name {name!r} must be letters, digits, '.', '_' or '-'")
+        sources.append(Source(path, name, count, None if weight is None else float(weight)))
+    names = [s.name for s in sources]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"dataset sources: the name(s) {', '.join(twice)} stand for more than one source; give "
+                         "each its own name")
+    weighted = [s.weight is not None for s in sources]
+    if any(weighted) and not all(weighted):
+        raise ValueError("dataset sources: give every source a weight, or none (counts, or all of each)")
+    return sources
+
+
+def shares(sources: list[Source], num_samples: int | None) -> list[int | None]:
+    """How many records each source gives: its count, its share of ``num_samples`` by weight (the
+    largest remainders rounded up, so that the shares add up), or None (all of it)."""
+    if not sources or sources[0].weight is None:
+        return [s.count for s in sources]
+    if num_samples is None:
+        raise ValueError("dataset sources with weights share num_samples (extraction_num_samples): set it, or give "
+                         "each source a count")
+    total = sum(s.weight for s in sources)
+    exact = [num_samples * s.weight / total for s in sources]
+    taken = [int(x) for x in exact]
+    for k in sorted(range(len(sources)), key=lambda k: taken[k] - exact[k])[:num_samples - sum(taken)]:
+        taken[k] += 1
+    return taken
+
+
+def _mixture(sources: list[Source], num_samples: int | None) -> Iterator[Sample | Skip]:
+    """The sources one after another, each its share; ordinals run on, ids take the source's name."""
+    counts = shares(sources, num_samples)
+    offset = 0
+    for source, count in zip(sources, counts):
+        if count == 0:
+            continue
+        read = 0
+        for item in _read(source.path, count):
+            read += 1
+            ordinal = offset + item.ordinal
+            if isinstance(item, Skip):
+                sample_id = None if item.sample_id is None else f"{source.name}.{item.sample_id}"
+                yield Skip(ordinal, item.line, sample_id, item.reason, f"{source.name}: {item.detail}", item.offset,
+                           source.name)
+                continue
+            sample_id = f"{source.name}.{item.sample_id}"
+            yield Sample(ordinal, item.line, sample_id, file_stem_for(sample_id), item.messages, item.offset,
+                         item.id_generated, source.name)
+        offset += read
+
+
+def dataset_paths(dataset) -> list[Path]:
+    """The paths a dataset (a path, or a mixture's sources) reads."""
+    return [s.path for s in dataset] if isinstance(dataset, (list, tuple)) else [Path(dataset)]
+
+
 def read_dataset(path: str | os.PathLike, num_samples: int | None = None) -> Iterator[Sample | Skip]:
     """Each record of the dataset at ``path`` (JSON Lines, one JSON array, Parquet, Arrow, or a folder of
     them), in order, as a Sample or a Skip.
@@ -828,4 +935,8 @@ def read_dataset(path: str | os.PathLike, num_samples: int | None = None) -> Ite
         raise TypeError(f"num_samples must be an int or None, got {num_samples!r}")
     if num_samples is not None and num_samples < 0:
         raise ValueError(f"num_samples must be >= 0 (or None for the whole file), got {num_samples}")
+    if isinstance(path, (list, tuple)):  # a mixture: a list of Source
+        weighted = bool(path) and path[0].weight is not None
+        mixed = _mixture(list(path), num_samples)
+        return mixed if weighted else itertools.islice(mixed, num_samples)
     return _read(path, num_samples)

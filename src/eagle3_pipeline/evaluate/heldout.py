@@ -199,6 +199,9 @@ def select_heldout_prompts(path: str | os.PathLike, renderer: ChatRenderer, data
     """
     generated = _generated_ids(data)
     training_ids = {sample.id for sample in data.samples} - generated
+    # A mixture's ids are "<source>.<id>": the held-out file is one source as it is, its ids unprefixed.
+    training_ids |= {str(entry["id"]).removeprefix(f"{entry['source']}.") for shard in data.manifest["shards"].values()
+                     for entry in shard["files"] if entry.get("source") and str(entry["id"]) not in generated}
     by_prefix = training_prefixes(data)
     chosen: dict[str, str] = {}  # prefix digest -> held-out id
     longest = longest_prompt(data, max_new_tokens)

@@ -102,6 +102,7 @@ class Prepared:
     input_ids: array
     loss_mask: array
     id_generated: bool = False  # the record had no id: the reader made one up (it names no record)
+    source: str | None = None  # in a mixture: the source it came from
 
 
 @dataclass
@@ -198,7 +199,7 @@ def sample_key(settings_hash: str, sample_id: str, ids: array, mask: array) -> s
 def make_plan(cfg: ExtractConfig, client, dry: bool = False, facts=None) -> Plan:
     """Steps 1-3 of the module docstring; raises ``ValueError`` subclasses on bad settings.
 
-    The settings are compared with the recorded ones, not recorded (``run_extraction`` does
+    The settings are compared with the recorded ones, not recorded (``ExtractionJob.run`` does
     that once its checks pass). ``dry``: leave the journal as it is, even a torn last line (a
     live run may be appending to it). ``facts``: what the server would say (``--check --offline``
     takes them from the stored settings); default: ask the server.
@@ -208,8 +209,7 @@ def make_plan(cfg: ExtractConfig, client, dry: bool = False, facts=None) -> Plan
     from eagle3_pipeline.extract.storage import refuse_unfinished_conversion  # noqa: PLC0415
     from eagle3_pipeline.server_client import engine_facts  # noqa: PLC0415
 
-    if not cfg.dataset.exists():
-        raise FileNotFoundError(f"dataset {cfg.dataset} does not exist")
+    part_job.check_dataset(cfg.dataset)
     refuse_unfinished_conversion(cfg.output_dir)
     facts = facts or engine_facts(client.server_info())
     model_path = Path(cfg.model_path or facts.model_path)
@@ -239,7 +239,7 @@ def make_plan(cfg: ExtractConfig, client, dry: bool = False, facts=None) -> Plan
         return Prepared(
             item.ordinal, item.line, item.sample_id,
             f"{store.shard_dir_name(item.ordinal, cfg.shard_size)}/{item.file_stem}{store.SAMPLE_SUFFIX}",
-            sample_key(settings_hash, item.sample_id, ids_a, mask_a), ids_a, mask_a, item.id_generated,
+            sample_key(settings_hash, item.sample_id, ids_a, mask_a), ids_a, mask_a, item.id_generated, item.source,
         )
 
     records, prepared, skipped = part_job.read_part(cfg, prepare)
@@ -416,7 +416,7 @@ class SampleWorker:
             "id_generated": prep.id_generated, "file": prep.file, "tokens": tokens,
             "loss_tokens": int(sum(prep.loss_mask)), "bytes": size,
             "sha256": sha, "checked_positions": agreement.checked, "near_ties": agreement.near_ties,
-            "attempts": attempt + 1,
+            "attempts": attempt + 1, **({"source": prep.source} if prep.source else {}),
         }
 
     def _checked_capture(self, tensors: dict, ids, mask) -> tuple:
@@ -597,15 +597,13 @@ class ExtractionJob(PartJob):
                 f"{cfg.max_skip_ratio:.0%}; see {store.PARTS_DIR}/{store.part_name(index, count)}.json")
         message = f"part {index}/{count} complete: {len(samples)} samples stored, {len(plan.skipped)} skipped, " \
                   f"{len(failures)} failed"
-        if count == 1 and cfg.merge:
-            manifest, _ = store.merge(cfg.output_dir)
-            message += f"; {store.MANIFEST_FILE}: {manifest['num_samples']} samples, {manifest['num_tokens']:,} tokens"
         return EXIT_OK, message
 
+    def merge(self) -> str:
+        from eagle3_pipeline.extract import store  # noqa: PLC0415
 
-def run_extraction(cfg: ExtractConfig) -> int:
-    """The whole run; returns an exit code (see ``parts/job.py``), messages on stderr."""
-    return ExtractionJob(cfg).run()
+        manifest, _ = store.merge(self.cfg.output_dir)
+        return f"{store.MANIFEST_FILE}: {manifest['num_samples']} samples, {manifest['num_tokens']:,} tokens"
 
 
 def offline_facts(cfg: ExtractConfig, engine: str | None, aux_layers: list[int] | None):

@@ -190,7 +190,8 @@ def merge(out_dir: Path) -> tuple[dict, bool]:
         shard["num_samples"] += 1
         shard["num_tokens"] += sample["tokens"]
         shard["files"].append({key: sample[key] for key in ("file", "id", "id_generated", "line", "tokens",
-                                                              "loss_tokens", "bytes", "sha256") if key in sample})
+                                                              "loss_tokens", "bytes", "sha256", "source")
+                                  if key in sample})
     token_counts = _count_tokens(out_dir, (s["file"] for s in samples), settings["vocab_size"])
     counts_changed = False
     counts_path = out_dir / TOKEN_COUNTS_FILE

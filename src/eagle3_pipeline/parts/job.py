@@ -49,7 +49,7 @@ DEFAULT_MAX_LENGTH = 2048
 class PartConfig:
     """What every part job's run needs (the options both commands share)."""
 
-    dataset: Path
+    dataset: Path | tuple  # a path, or a mixture's sources (conversations.dataset.Source)
     output_dir: Path
     server_url: str
     api_key: str | None = None
@@ -246,7 +246,12 @@ class PartJob(ABC):
 
     @abstractmethod
     def finish(self, plan: PartPlan, progress: PartProgress) -> tuple[int, str]:
-        """Step 4, once every record is done: (exit code, the message for the log or the error)."""
+        """Step 4, once every record is done: the part's output written; (exit code, the message for
+        the log or the error)."""
+
+    @abstractmethod
+    def merge(self) -> str:
+        """Merge every part's output (the run's only part, here) and say what the merged file holds."""
 
     # -- the run ------------------------------------------------------------------------
     def lock(self):
@@ -304,6 +309,8 @@ class PartJob(ABC):
         if outcome != EXIT_OK:
             return outcome
         code, message = self.finish(plan, progress)
+        if code == EXIT_OK and cfg.part[1] == 1 and cfg.merge:
+            message += "; " + self.merge()
         progress.state, progress.message = ("done" if code == EXIT_OK else "failed"), message
         progress.update(force=True)
         if code == EXIT_OK:
@@ -348,11 +355,33 @@ class PartJob(ABC):
 
 
 # -- the command line ---------------------------------------------------------------------
+def dataset_arg(text: str):
+    """``--dataset``: a path, or a mixture's sources as a JSON list (``conversations.dataset.parse_sources``)."""
+    if not text.lstrip().startswith("["):
+        return path_arg(text)
+    from eagle3_pipeline.conversations.dataset import parse_sources  # noqa: PLC0415
+
+    try:
+        return tuple(parse_sources(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def check_dataset(dataset) -> None:
+    """FileNotFoundError naming the first path of ``dataset`` (a path or a mixture) that is not there."""
+    from eagle3_pipeline.conversations.dataset import dataset_paths  # noqa: PLC0415
+
+    for path in dataset_paths(dataset):
+        if not path.exists():
+            raise FileNotFoundError(f"dataset {path} does not exist")
+
+
 def add_options(parser: argparse.ArgumentParser, *, server: str, concurrency: int, concurrency_help: str,
                 check_help: str, merged_file: str) -> None:
     """The options every part job's command has; ``server`` says which server it talks to."""
-    parser.add_argument("--dataset", type=path_arg, required=True,
-                        help="JSONL, or one JSON array: ShareGPT conversations or OpenAI messages")
+    parser.add_argument("--dataset", type=dataset_arg, required=True,
+                        help="ShareGPT conversations or OpenAI messages: JSON Lines, one JSON array, Parquet, Arrow, "
+                        "or a folder of them; or a mixture, as a JSON list of {path, name, count or weight}")
     parser.add_argument("--output-dir", type=path_arg, required=True)
     parser.add_argument("--server-url", required=True, help=f"http://HOST:PORT of the {server} server")
     parser.add_argument("--part", default="0/1", help="K/N: this host's share (records with ordinal %% N == K)")

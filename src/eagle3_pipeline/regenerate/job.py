@@ -65,6 +65,7 @@ class Conversation:
     sample_id: str
     messages: tuple
     key: str
+    source: str | None = None  # in a mixture: the source it came from
 
 
 @dataclass
@@ -122,8 +123,7 @@ def make_plan(cfg: RegenerateConfig, client=None, dry: bool = False) -> Plan:
     """
     from eagle3_pipeline.conversations.template import load_renderer  # noqa: PLC0415
 
-    if not cfg.dataset.exists():
-        raise FileNotFoundError(f"dataset {cfg.dataset} does not exist")
+    part_job.check_dataset(cfg.dataset)
     info = _server_facts(client) if client is not None else {}
     model_path = Path(cfg.model_path or info.get("model_path") or "")
     if not (model_path / "config.json").is_file():
@@ -136,7 +136,7 @@ def make_plan(cfg: RegenerateConfig, client=None, dry: bool = False) -> Plan:
     claim_settings(cfg.output_dir, settings, create=False)
     records, conversations, skipped = part_job.read_part(cfg, lambda item: Conversation(
         item.ordinal, item.line, item.sample_id, item.messages,
-        conversation_key(settings, item.sample_id, item.messages)))
+        conversation_key(settings, item.sample_id, item.messages), item.source))
     journal, by_key = part_job.open_journal(cfg, "regenerated", dry)
     done = {c.key: by_key[c.key] for c in conversations if c.key in by_key}
     context = info.get("context_length")
@@ -231,7 +231,7 @@ class ConversationWorker:
         from eagle3_pipeline.server_client import EngineError  # noqa: PLC0415
 
         base = {"key": conversation.key, "ordinal": conversation.ordinal, "line": conversation.line,
-                "id": conversation.sample_id}
+                "id": conversation.sample_id, **({"source": conversation.source} if conversation.source else {})}
         turns = iter(range(1, 1 << 30))
         try:
             result = regenerate_conversation(
@@ -304,15 +304,11 @@ class RegenerationJob(PartJob):
         output.write_part(cfg.output_dir, index, count, part_texts(cfg, plan))
         message = (f"part {index}/{count} complete: {written} conversations regenerated, "
                    f"{progress.skipped} skipped, {progress.turns} turns")
-        if count == 1 and cfg.merge:
-            summary, _ = output.merge(cfg.output_dir)
-            message += f"; {output.OUTPUT_FILE}: {summary['num_conversations']} conversations"
         return EXIT_OK, message
 
-
-def run_regeneration(cfg: RegenerateConfig) -> int:
-    """The whole run; returns an exit code (see ``parts/job.py``), messages on stderr."""
-    return RegenerationJob(cfg).run()
+    def merge(self) -> str:
+        summary, _ = output.merge(self.cfg.output_dir)
+        return f"{output.OUTPUT_FILE}: {summary['num_conversations']} conversations"
 
 
 def _finished(cfg: RegenerateConfig, plan: Plan) -> bool:

@@ -68,6 +68,8 @@ def part_documents(index: int, count: int, records: int, finished: list[dict], r
         "engines": dict(sorted(Counter(r["engine"] for r in written).items())),
         "skipped": skipped,
         "ordinals": [r["ordinal"] for r in written],
+        **({"sources": dict(sorted(Counter(r["source"] for r in written if "source" in r).items()))}
+           if any("source" in r for r in written) else {}),
     }
     text = "".join(conversation_line(r["id"], r["messages"]) + "\n" for r in written)
     return text, json.dumps(summary, indent=1, sort_keys=True) + "\n"
@@ -129,6 +131,8 @@ def merged_documents(out_dir: Path) -> tuple[str, dict]:
            for key in ("num_records", "num_conversations", "num_skipped", "cut", "limited", *COUNTS)},
         "finish_reasons": dict(sorted(sum((Counter(p["finish_reasons"]) for p in parts.values()), Counter()).items())),
         "engines": dict(sorted(sum((Counter(p["engines"]) for p in parts.values()), Counter()).items())),
+        **({"sources": dict(sorted(sum((Counter(p["sources"]) for p in parts.values()), Counter()).items()))}
+           if any("sources" in p for p in parts.values()) else {}),
         "skipped_reasons": dict(sorted(Counter(s["reason"] for p in parts.values() for s in p["skipped"]).items())),
         "skipped": sorted((s for p in parts.values() for s in p["skipped"]), key=lambda s: s["line"]),
     }
