@@ -1,6 +1,6 @@
-"""The polling loop of the modules that wait on a host: extraction_progress, training_progress, sglang_server_info.
+"""The polling loop of the modules that wait on a host: job_progress (every stage's job), sglang_server_info.
 
-Not an action of its own: those three action plugins are this class (they load it through
+Not an action of its own: those two action plugins are this class (they load it through
 Ansible's plugin loader; action plugins are not importable as a package).
 
 A wait of hours (a server loading a big model) or days (an extraction, a training) over SSH is

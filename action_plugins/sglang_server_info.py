@@ -1,11 +1,4 @@
-"""Action plugin for the sglang_server_info module: call it until done, printing its progress line after each call.
-
-The loop is action_plugins/polling.py's (see its docstring): one task, many short calls of the
-module (each one SSH round trip of at most its ``wait_s``), the module's one-line ``msg``
-printed on the controller after each, and no ``until``, so no ``FAILED - RETRYING`` lines.
-Its class is that plugin's, found through Ansible's own plugin loader (action plugins are not
-importable as a package).
-"""
+"""The sglang_server_info module's action: the loop of action_plugins/polling.py (see its docstring)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Follow a job that this project's supervisor runs: its progress file, and whether the job behind it still lives.
 
-What ``extraction_progress`` (the extraction's and the regeneration's parts) and
-``training_progress`` have in common; each of them gives a ``Stage``: where its progress file
-is, which progress file is this job's, its one-line summary, the figures it returns and the
-words of its messages.
+What the ``job_progress`` module does for every stage's job. What differs is a ``Stage``
+(module_utils/extraction_progress.py: an extraction's or a regeneration's part;
+module_utils/training_progress.py: a training): where its progress file is, which progress file
+is this job's, its one-line summary, the figures it returns and the words of its messages.
 
 The jobs (``eagle3-pipeline extract``, ``regenerate``, ``train``) rewrite their progress file
 atomically while they run. They run under this project's supervisor, whose state file

@@ -21,6 +21,27 @@ def path_str(text: str) -> str:
     return text
 
 
+def positive_int(text: str) -> int:
+    """A count option's value: a whole number >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
 def path_arg(text: str) -> Path:
     """A path option's value as a Path; an empty or blank one is refused."""
     return Path(path_str(text))
+
+
+def dataset_arg(text: str):
+    """A dataset option (``--dataset``, ``--prompts``): a path, or a mixture's sources as a JSON list
+    (``conversations.dataset.parse_sources``)."""
+    if not text.lstrip().startswith("["):
+        return path_arg(text)
+    from eagle3_pipeline.conversations.dataset import parse_sources  # noqa: PLC0415
+
+    try:
+        return tuple(parse_sources(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -1,6 +1,6 @@
 """A job's progress, for the roles and for the operator: a JSON file kept current, and a terminal line.
 
-The roles' waiting modules (``library/extraction_progress.py``) poll the file; a person at the
+The roles' waiting modules (``library/job_progress.py``) poll the file; a person at the
 terminal reads the line. The file is rewritten atomically at most once a second (a reader never
 sees half a file); the line is redrawn in place on a terminal (twice a second) and printed on a
 line of its own every 30 s into a log. A job's own class says what the document holds

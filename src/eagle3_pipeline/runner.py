@@ -419,16 +419,18 @@ def produced_paths(events: list[dict]) -> dict[str, str]:
         if event.get("event") != "runner_on_ok":
             continue
         action = (data.get("task_action") or "").rsplit(".", 1)[-1]
+        # job_progress follows every stage's job: its stage option says whose output directory it names.
+        stage = ((data.get("res") or {}).get("invocation") or {}).get("module_args", {}).get("stage")
         path = _result_path(data)
         if path is None:
             continue
         parts = Path(path).parts
-        if path.endswith("/data_config.json") or action == "extraction_progress":
+        if path.endswith("/data_config.json") or (action, stage) == ("job_progress", "extraction"):
             paths["data_dir"] = os.path.dirname(path) if path.endswith(".json") else path
         elif parts[-2:] == ("drafter", "config.json"):
             # Not the training directory: the drafter may be exported elsewhere (eagle_training_drafter_dir).
             paths["drafter_dir"] = os.path.dirname(path)
-        elif action == "training_progress":
+        elif (action, stage) == ("job_progress", "training"):
             paths["training_dir"] = path
         elif data.get("role") == "gpu_reset" and action == "copy" and path.endswith(".json"):
             paths["gpu_reset_dir"] = os.path.dirname(path)

@@ -228,9 +228,12 @@ def training_status(output_dir: Path, now: float) -> StageStatus:
                           "world": record.get("world"), "device": record.get("device"),
                           "elapsed_s": progress.get("elapsed_s")}
         acc = "/".join(f"{a:.2f}" for a in (evaluation.get("acc_k") or [])[:3])
+        # The chain it is for: the training's draft positions (the evaluation's chains are shorter or longer).
+        positions = len(evaluation.get("acc_k") or last.get("acc_k") or [])
         status.summary = (f"{record.get('steps')} steps, eval loss {_fmt(evaluation.get('loss'))}, acc {acc or '?'}"
                           f"…, simulated acceptance length "
-                          f"{_fmt(status.figures['simulated_acceptance_length'], '.2f')}")
+                          f"{_fmt(status.figures['simulated_acceptance_length'], '.2f')}"
+                          + (f" over its {positions} draft positions" if positions else ""))
         return status
     if not progress:
         status.state = NOT_STARTED

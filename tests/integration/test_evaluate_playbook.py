@@ -133,6 +133,33 @@ def test_training_conversations_among_the_prompts_are_excluded_and_listed(
                for line in _shown(measured))
 
 
+def test_prompts_from_a_mixture_of_sources_with_their_counts(
+    data_dir, drafter_run, tmp_path, tmp_path_factory  # noqa: F811
+):
+    # Two sources: the training's own file (its first 2 records: both excluded, known by their ids without the
+    # source's prefix) and the held-out file; evaluation_prompts is the list, as the inventory gives it.
+    sources = [{"path": str(data_dir.parent / "train.jsonl"), "name": "seen", "count": 2},
+               {"path": str(data_dir.parent / "train.heldout.jsonl"), "name": "held"}]
+    extravars = {**evaluation_vars(drafter_run, tmp_path / "evaluation", Path("/unused")),
+                 "evaluation_prompts": sources, "evaluation_draft_tokens": [3]}
+
+    measured = _run(tmp_path_factory, extravars)
+
+    assert measured.status == "successful", measured.stdout.read()
+    result = json.loads((tmp_path / "evaluation" / "evaluation.json").read_text())
+    ids = [json.loads(line)["id"] for line in (data_dir.parent / "train.jsonl").read_text().splitlines()[:2]]
+    assert [(e["id"], e["reason"]) for e in result["excluded_prompts"]] == [
+        (f"seen.{ids[0]}", "same id as a training sample"), (f"seen.{ids[1]}", "same id as a training sample")]
+    assert result["prompts"] == 4 and all(i.startswith("held.") for i in result["prompt_ids"])
+    assert [s["name"] for s in json.loads(result["prompts_file"])] == ["seen", "held"]
+
+    sources[1]["path"] = str(tmp_path / "gone.jsonl")
+    refused = _run(tmp_path_factory, {**extravars, "evaluation_prompts": sources})
+    assert refused.status == "failed"
+    messages = [e["event_data"]["res"].get("msg", "") for e in refused.events if e.get("event") == "runner_on_failed"]
+    assert any(f"{tmp_path / 'gone.jsonl'} do not exist on this host" in m for m in messages), messages
+
+
 def test_too_few_prompts_left_after_the_exclusions_refuse_by_name(
     data_dir, drafter_run, tmp_path, tmp_path_factory  # noqa: F811
 ):

@@ -254,7 +254,8 @@ def test_follow_false_makes_one_call_that_reports_a_running_job(tmp_path, state_
                           str(out / "progress.json"), json.dumps(TRAINING), str(tmp_path / "any")],
                          capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
     playbook = json.dumps([{"name": "One look", "hosts": "localhost", "gather_facts": False, "tasks": [
-        {"name": "Look at the training", "training_progress": {
+        {"name": "Look at the training", "job_progress": {
+            "stage": "training",
             "output_dir": str(out), "state_dir": str(state_dir), "name": "training", "wait_s": 1, "follow": False}}]}])
 
     run = BackgroundRun(tmp_path / "runner", playbook, inventory)
@@ -466,7 +467,8 @@ def test_a_lost_connection_is_tried_again_over_ssh_with_keepalives_then_the_host
         "ansible_connection": "ssh", "ansible_host": "127.0.0.1", "ansible_port": closed.getsockname()[1],
         "ansible_user": "nobody", "ansible_python_interpreter": sys.executable}}}}))  # fmt: skip
     playbook = json.dumps([{"name": "Wait on a host that went away", "hosts": "gone", "gather_facts": False,
-                            "tasks": [{"name": "Wait for the part", "extraction_progress": {
+                            "tasks": [{"name": "Wait for the part", "job_progress": {
+                                "stage": "extraction",
                                 "output_dir": str(tmp_path / "out"), "wait_s": 1}}]}])  # fmt: skip
     (tmp_path / "runner" / "project").mkdir(parents=True)
     (tmp_path / "runner" / "project" / "play.yml").write_text(playbook)

@@ -66,8 +66,7 @@ MODULES = sorted(path.stem for path in (ROOT / "library").glob("*.py"))
 
 
 def test_every_module_of_the_library_is_checked():
-    assert {"gpu_info", "gpu_processes", "gpu_wait_free", "sglang_server_info", "extraction_progress",
-            "training_progress"} <= set(MODULES)
+    assert {"gpu_info", "gpu_processes", "gpu_wait_free", "sglang_server_info", "job_progress"} <= set(MODULES)
 
 
 @pytest.mark.parametrize("module", MODULES)

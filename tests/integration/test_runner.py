@@ -136,7 +136,7 @@ def test_a_missing_playbook_is_named(monkeypatch, tmp_path):
 
 
 def test_a_progress_modules_lines_become_progress_events(tmp_path):
-    # The training_progress action plugin prints one line per poll; ansible-runner hands it over
+    # The job_progress action plugin prints one line per poll; ansible-runner hands it over
     # as a 'verbose' event of the task. A finished training's progress.json is all it reads.
     out = tmp_path / "training"
     out.mkdir()
@@ -147,7 +147,8 @@ def test_a_progress_modules_lines_become_progress_events(tmp_path):
     playbook = tmp_path / "poll.yml"
     playbook.write_text(
         "- name: Poll\n  hosts: localhost\n  gather_facts: false\n  tasks:\n"
-        f"    - name: Wait for the training\n      training_progress:\n        output_dir: {out}\n        wait_s: 0\n"
+        "    - name: Wait for the training\n      job_progress:\n        stage: training\n"
+        f"        output_dir: {out}\n        wait_s: 0\n"
         "    - name: Name the outputs\n      ansible.builtin.set_stats:\n"
         f"        data: {{{PATHS_STATS_KEY}: {{report: /x/report/index.html}}}}\n        per_host: false\n"
     )

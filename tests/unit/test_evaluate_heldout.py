@@ -179,3 +179,64 @@ def test_prompts_whose_decode_passes_the_trainings_max_length_are_excluded(tmp_p
     # One token more of decode and the short prompt passes the limit too: nothing is left.
     with pytest.raises(HeldoutError, match="only 0 usable held-out prompt"):
         select_heldout_prompts(path, renderer, training_data, 5, max_new_tokens=max_length - short_tokens + 1)
+
+
+HELD = [
+    _chat("h-0", "What is the class zipfile.ZipFile used for?", "Zip files."),
+    _chat("h-1", "Explain the Python module json.", "A training prompt: excluded by its tokens."),
+    _chat("h-2", "What does shutil.copy do?", "Copies."),
+    _chat("h-3", "What does shutil.move do?", "Moves."),
+]
+
+
+def test_held_out_prompts_from_parquet_shards_are_those_of_the_jsonl(tmp_path, renderer, training_data):
+    from test_dataset_tables import write_parquet_shards
+
+    from_jsonl = select_heldout_prompts(_write_jsonl(tmp_path / "held.jsonl", HELD), renderer, training_data, 10)
+    from_shards = select_heldout_prompts(write_parquet_shards(tmp_path / "held", HELD, shards=2), renderer,
+                                         training_data, 10)
+    assert [p.sample_id for p in from_shards.prompts] == [p.sample_id for p in from_jsonl.prompts] == [
+        "h-0", "h-2", "h-3"]
+    assert [list(p.input_ids) for p in from_shards.prompts] == [list(p.input_ids) for p in from_jsonl.prompts]
+    assert [e["id"] for e in from_shards.excluded] == ["h-1"]
+
+
+def test_a_mixture_of_held_out_prompts_takes_each_sources_count_and_names_its_source(tmp_path, renderer,
+                                                                                     training_data):
+    from eagle3_pipeline.conversations.dataset import parse_sources
+
+    first = _write_jsonl(tmp_path / "first.jsonl", HELD[:2])
+    second = _write_jsonl(tmp_path / "second.jsonl", [_chat("t-0", "A question never trained on?", "x"), *HELD[2:]])
+    sources = tuple(parse_sources([{"path": str(first)}, {"path": str(second), "name": "traffic", "count": 2}]))
+    selection = select_heldout_prompts(sources, renderer, training_data, 10)
+    # traffic's first two records only; t-0 is a training id without its source's prefix, h-1 a training prompt.
+    assert [p.sample_id for p in selection.prompts] == ["first.h-0", "traffic.h-2"]
+    assert [(e["id"], e["reason"]) for e in selection.excluded] == [
+        ("first.h-1", "same prompt tokens as a training sample"), ("traffic.t-0", "same id as a training sample")]
+    with pytest.raises(HeldoutError, match="no such file"):
+        select_heldout_prompts((*sources, *parse_sources([{"path": str(tmp_path / "gone.jsonl")}])), renderer,
+                               training_data, 10)
+
+
+def test_the_evaluate_commands_prompts_a_file_a_folder_or_a_mixture_each_with_its_digest(tmp_path):
+    from test_dataset_tables import write_parquet_shards
+
+    from eagle3_pipeline.checksum import file_sha256
+    from eagle3_pipeline.cli_args import dataset_arg
+    from eagle3_pipeline.evaluate.command import BadInput, _prompts, shown_dataset
+
+    held = _write_jsonl(tmp_path / "held.jsonl", HELD)
+    path, digest = _prompts(dataset_arg(str(held)))
+    assert path == held.resolve() and digest == file_sha256(held)  # a file's digest, as evaluations recorded it
+    shards = write_parquet_shards(tmp_path / "shards", HELD, shards=2)
+    _, folder_digest = _prompts(dataset_arg(str(shards)))
+    (shards / "train-00001-of-00002.parquet").write_bytes(b"changed")
+    assert _prompts(dataset_arg(str(shards)))[1] != folder_digest  # a shard's content is in the digest
+    mixture = dataset_arg(json.dumps([{"path": str(held), "count": 2}, {"path": str(shards), "name": "more"}]))
+    sources, _ = _prompts(mixture)
+    assert json.loads(shown_dataset(sources)) == [{"path": str(held.resolve()), "name": "held", "count": 2},
+                                                  {"path": str(shards.resolve()), "name": "more"}]
+    with pytest.raises(BadInput, match="takes a count per source"):
+        _prompts(dataset_arg(json.dumps([{"path": str(held), "weight": 1}, {"path": str(shards), "weight": 1}])))
+    with pytest.raises(BadInput, match=r"gone\.jsonl: no such file"):
+        _prompts(dataset_arg(json.dumps([{"path": str(held)}, {"path": str(tmp_path / "gone.jsonl")}])))

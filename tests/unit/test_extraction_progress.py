@@ -1,6 +1,6 @@
-"""extraction_progress's own parts: the part's progress line and counts, its file, its options.
+"""job_progress for an extraction part, its own parts: the part's progress line and counts, its file, its options.
 
-What it shares with training_progress (finished / failed / stopped / dead told apart on real jobs,
+What it shares with the training (finished / failed / stopped / dead told apart on real jobs,
 the wait, the timeout) is tested for every stage in test_job_progress.py.
 """
 
@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-import extraction_progress as module
+import job_progress as module
 import pytest
 from ansible.module_utils.extraction_progress import PartStage, ProgressError, format_duration, progress_line
 from module_runs import run_module
@@ -30,7 +30,8 @@ def stage(output_dir, **params) -> PartStage:
 
 @pytest.fixture
 def jobs(tmp_path):
-    started = Jobs(tmp_path, tmp_path / "data", tmp_path / "data" / "parts" / "part-0-of-1.progress.json")
+    started = Jobs(tmp_path, tmp_path / "data", tmp_path / "data" / "parts" / "part-0-of-1.progress.json",
+                   {"stage": "extraction"})
     yield started
     started.stop_all()
 
@@ -66,8 +67,8 @@ def test_the_part_of_several_is_named_and_its_own_file_read(tmp_path, capsys):
     path.parent.mkdir()
     path.write_text(json.dumps({**RUNNING, "state": "done", "part": "1/2"}))
 
-    code, result = run_module(module, {"output_dir": str(tmp_path), "part_index": 1, "part_count": 2,
-                                       "wait_s": 0}, capsys)
+    code, result = run_module(module, {"stage": "extraction", "output_dir": str(tmp_path), "part_index": 1,
+                                       "part_count": 2, "wait_s": 0}, capsys)
 
     assert code == 0 and result["finished"] is True and result["part"] == "1/2"
     assert result["msg"] == "part 1/2: 412/1000 samples, 3 skipped, 0 failed, 81,234 tokens: done"
@@ -104,10 +105,11 @@ def test_a_progress_file_that_is_not_json_is_named(tmp_path):
     [
         ({"part_index": 2, "part_count": 2}, "part_index must be in 0..1"),
         ({"part_count": 0}, "part_count must be >= 1"),
-        ({"stage": "training"}, "value of stage must be one of: extraction, regeneration"),
+        ({"stage": "evaluation"}, "value of stage must be one of: extraction, regeneration, training"),
+        ({"node_rank": 1}, "node_rank is not an option of stage extraction: it is one of training"),
     ],
 )
 def test_bad_part_options_fail_naming_the_option(tmp_path, capsys, args, message):
-    code, result = run_module(module, {"output_dir": str(tmp_path), **args}, capsys)
+    code, result = run_module(module, {"stage": "extraction", "output_dir": str(tmp_path), **args}, capsys)
 
     assert code == 1 and message in result["msg"]

@@ -1,10 +1,10 @@
 """What every progress module does (module_utils/job_progress.py), on real jobs, for each stage.
 
-extraction_progress (an extraction part, a regeneration part) and training_progress share their
+job_progress follows an extraction part, a regeneration part and a training with the same
 wait, their reading of the supervisor's record and their failures: each test here runs for the
 three stages. The jobs are real processes under the real supervisor (tests/unit/supervised_jobs.py);
 the modules run in-process through ansible-core's test helper. What only one stage does is in
-test_extraction_progress.py and test_training_progress.py.
+test_extraction_progress.py and test_training_progress.py (module_utils' two stages).
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ import time
 from dataclasses import dataclass, field
 from types import ModuleType
 
-import extraction_progress
+import job_progress as progress_module
 import pytest
-import training_progress
 from ansible.module_utils import job_progress
 from ansible.module_utils.job_progress import wait_for_change
 from module_runs import POLL_S, WAIT_S, run_module
@@ -61,7 +60,8 @@ class StageCase:
 
 STAGES = {
     "extraction": StageCase(
-        module=extraction_progress,
+        module=progress_module,
+        module_args={"stage": "extraction"},
         progress_file="parts/part-0-of-1.progress.json",
         document=PART,
         line="part 0/1: 412/1000 samples, 3 skipped, 0 failed, 5,210 tokens/s, about 0:03:12 left",
@@ -76,7 +76,7 @@ STAGES = {
         at="at 412/1000 samples",
     ),
     "regeneration": StageCase(
-        module=extraction_progress,
+        module=progress_module,
         module_args={"stage": "regeneration"},
         progress_file="parts/part-0-of-1.progress.json",
         document={**PART, "unit": "conversations", "turns": 655},
@@ -92,7 +92,8 @@ STAGES = {
         at="at 412/1000 conversations",
     ),
     "training": StageCase(
-        module=training_progress,
+        module=progress_module,
+        module_args={"stage": "training"},
         progress_file="progress.json",
         document=TRAINING,
         line="step 40/200 (epoch 1), loss 3.21, acc 0.41/0.30/0.22\u2026, accept len 1.9, 1,234 tok/s, "

@@ -1,11 +1,11 @@
-"""training_progress's own parts: the progress line, rank 0 under torchrun, the nodes, the metrics.
+"""job_progress for a training, its own parts: the progress line, rank 0 under torchrun, the nodes, the metrics.
 
 The jobs are real processes started by the real supervisor (tests/unit/supervised_jobs.py),
 standing in for ``eagle3-pipeline train``: each writes ``<output_dir>/progress.json`` as the
 contract says, prints a line to its log, then sleeps or exits with a given code. One stands in
 for a torchrun launch: its rank 0 (a child process, another PID) writes the progress. The module
 itself runs in-process through ansible-core's test helper. What it shares with
-extraction_progress (finished / failed / stopped / dead told apart, the wait, the timeout) is
+the extraction (finished / failed / stopped / dead told apart, the wait, the timeout) is
 tested for every stage in test_job_progress.py.
 """
 
@@ -19,8 +19,8 @@ import threading
 import time
 from pathlib import Path
 
+import job_progress as module
 import pytest
-import training_progress as module
 from ansible.module_utils.training_progress import (
     EXIT_GRACE_S,
     acc_text,
@@ -49,7 +49,7 @@ def said(state: str) -> dict:
 @pytest.fixture
 def jobs(tmp_path):
     out = tmp_path / "drafter-run"
-    started = Jobs(tmp_path, out, Path(progress_path(str(out))))
+    started = Jobs(tmp_path, out, Path(progress_path(str(out))), {"stage": "training"})
     yield started
     started.stop_all()
 
@@ -214,7 +214,8 @@ def test_a_read_only_look_without_a_supervisor_reads_a_finished_training(tmp_pat
     gone.wait()
     (tmp_path / "progress.json").write_text(json.dumps({**RUNNING, "state": "done", "pid": gone.pid}))
 
-    code, result = run_module(module, {"output_dir": str(tmp_path), "wait_s": 0}, capsys, check_mode=True)
+    code, result = run_module(module, {"stage": "training", "output_dir": str(tmp_path), "wait_s": 0}, capsys,
+                              check_mode=True)
 
     assert code == 0 and result["finished"] is True and result["job"] is None
     assert result["last_train"] is None and result["last_eval"] is None, "no metrics.jsonl: no records"
@@ -238,10 +239,11 @@ def test_last_records_reads_only_the_tail_and_skips_a_cut_line(tmp_path):
     [
         ({"node_rank": 2, "nnodes": 2}, "node_rank must be in 0..1"),
         ({"nnodes": 0}, "nnodes must be >= 1"),
+        ({"part_count": 2}, "part_count is not an option of stage training: it is one of extraction and regeneration"),
     ],
 )
 def test_bad_node_options_fail_naming_the_option(tmp_path, capsys, args, message):
-    code, result = run_module(module, {"output_dir": str(tmp_path), **args}, capsys)
+    code, result = run_module(module, {"stage": "training", "output_dir": str(tmp_path), **args}, capsys)
 
     assert code == 1 and message in result["msg"]
 

@@ -32,6 +32,7 @@ says which), 3 measured and failed its verdict.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import sys
@@ -39,9 +40,8 @@ import time
 from pathlib import Path
 
 from eagle3_pipeline.checksum import file_sha256
-from eagle3_pipeline.cli_args import path_str
+from eagle3_pipeline.cli_args import dataset_arg, path_str, positive_int
 from eagle3_pipeline.evaluate.verdict import DEFAULT_MIN_RATIO, prediction_record
-from eagle3_pipeline.train.command import _positive_int  # the same option type as train's
 
 DEFAULT_BATCH_TOKENS = 131072
 SHOWN_EXCLUSIONS = 20  # log lines; evaluation.json lists every excluded prompt
@@ -85,8 +85,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     add = parser.add_argument
     add("--drafter-dir", type=path_str, required=True, help="the exported drafter (config.json + model.safetensors)")
-    add("--prompts", type=path_str,
-        required=True, help="held-out conversations (ShareGPT or OpenAI JSONL); the prompt of each is "
+    add("--prompts", type=dataset_arg,
+        required=True, help="held-out conversations (ShareGPT or OpenAI: JSON Lines, a JSON array, Parquet, Arrow, "
+        "or a folder of them; or a mixture, as a JSON list of {path, name, count}); the prompt of each is "
         "everything before its first assistant turn")
     add("--output-dir", type=path_str, required=True, help="where evaluation.json goes")
     add("--training-dir", type=path_str,
@@ -98,18 +99,18 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--target-model-path", type=path_str,
         help="the target model directory (default: the one the drafter's config names, "
         "else data_config.json's)")
-    add("--num-prompts", type=_positive_int, default=32, help="prompts measured (the first usable ones of the file, "
+    add("--num-prompts", type=positive_int, default=32, help="prompts measured (the first usable ones of the file, "
         "those seen in training excluded)")
-    add("--min-prompts", type=_positive_int, help="fail when fewer usable prompts remain (default: half of "
+    add("--min-prompts", type=positive_int, help="fail when fewer usable prompts remain (default: half of "
         "--num-prompts, rounded up)")
-    add("--max-new-tokens", type=_positive_int, default=128, help="tokens generated per prompt")
+    add("--max-new-tokens", type=positive_int, default=128, help="tokens generated per prompt")
     add("--draft-tokens", type=_chain_lengths, default=list(DEFAULT_DRAFT_TOKENS),
         help="drafts per verify forward, the chain length k (SGLang's --speculative-num-steps); several, "
         "comma-separated, are measured on the same prompts (the sglang engine measures one)")
     add("--min-acceptance-ratio", type=float, default=DEFAULT_MIN_RATIO,
         help="fail when the measured acceptance at a draft position is, with 99%% confidence, below this share of "
         "what the training's held-out split predicts (0 turns the check off)")
-    add("--batch-tokens", type=_positive_int, default=DEFAULT_BATCH_TOKENS,
+    add("--batch-tokens", type=positive_int, default=DEFAULT_BATCH_TOKENS,
         help="reference engine: KV-cache slots per batch of requests decoded together (bounds memory)")
     add("--ignore-eos", action="store_true", help="generate max-new-tokens tokens whatever the target says")
     add("--engine", choices=ENGINES, default="reference")
@@ -132,7 +133,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                     help="print SGLang's launch argv for serving the drafter (JSON) and exit")
     sg.add_argument("--sglang-python", type=path_str, default="python3", help="the Python of the SGLang venv")
     sg.add_argument("--port", type=int, default=30100)
-    sg.add_argument("--tp-size", type=_positive_int, default=1)
+    sg.add_argument("--tp-size", type=positive_int, default=1)
     sg.add_argument("--extra-args-json", default="[]", help="more SGLang arguments, a JSON list of argv tokens")
     sg.add_argument("--api-key-config", type=path_str, help="SGLang --config YAML holding the API key")
 
@@ -172,18 +173,46 @@ def resolve(args: argparse.Namespace) -> dict:
     ours = config.get("eagle3_pipeline") or {}
     target = args.target_model_path or (training.get("config") or {}).get("target_model_path") or \
         ours.get("target_model_path")
-    prompts = Path(args.prompts).resolve()
-    if not prompts.exists():
-        raise BadInput(f"--prompts {prompts}: no such file (held-out conversations: JSONL, a JSON array, Parquet or "
-                       "Arrow, or a folder of them)")
+    prompts, prompts_sha256 = _prompts(args.prompts)
     if args.engine == "sglang" and not args.server_url and not args.check:
         raise BadInput("--engine sglang needs --server-url (the SGLang server serving the drafter)")
     return {
         "drafter_dir": str(drafter_dir), "drafter_sha256": file_sha256(weights), "drafter_config": config,
         "training_dir": str(training_dir) if training_dir else None, "training": training,
         "data_dir": str(Path(data_dir).resolve()), "target_model_path": str(Path(target).resolve()) if target else None,
-        "prompts": str(prompts), "prompts_sha256": file_sha256(prompts),
+        "prompts": prompts, "prompts_sha256": prompts_sha256,
     }  # fmt: skip
+
+
+def _prompts(prompts) -> tuple[object, str]:
+    """The held-out prompts (a path, or a mixture's sources) with their paths made absolute, and their digest: a
+    file's SHA-256 (as before folders and mixtures), else that of their files' digests. BadInput when one is
+    missing, or when a mixture weighs its sources (the selection takes prompts until it has enough: give counts)."""
+    from eagle3_pipeline.conversations.dataset import dataset_facts, dataset_paths  # noqa: PLC0415
+
+    for path in dataset_paths(prompts):
+        if not path.exists():
+            raise BadInput(f"--prompts {path.resolve()}: no such file (held-out conversations: JSONL, a JSON array, "
+                           "Parquet or Arrow, or a folder of them)")
+    if isinstance(prompts, tuple):
+        if any(source.weight is not None for source in prompts):
+            raise BadInput("--prompts: a mixture of held-out prompts takes a count per source (or none: all of "
+                           "each), not weights; the selection reads prompts until it has --num-prompts usable ones")
+        prompts = tuple(dataclasses.replace(source, path=source.path.resolve()) for source in prompts)
+    else:
+        prompts = prompts.resolve()
+        if prompts.is_file():
+            return prompts, file_sha256(prompts)
+    facts = json.dumps(dataset_facts(prompts), sort_keys=True)
+    return prompts, hashlib.sha256(facts.encode()).hexdigest()
+
+
+def shown_dataset(dataset) -> str:
+    """A dataset as evaluation.json records it: the path, or the mixture as JSON."""
+    if isinstance(dataset, tuple):
+        return json.dumps([{"path": str(s.path), "name": s.name, **({"count": s.count} if s.count else {})}
+                           for s in dataset])
+    return str(dataset)
 
 
 def fingerprint(args: argparse.Namespace, inputs: dict) -> str:
@@ -525,7 +554,7 @@ def _run(args: argparse.Namespace) -> int:
         "server_url": args.server_url if args.engine == "sglang" else None,
         "drafter_dir": inputs["drafter_dir"], "drafter_sha256": inputs["drafter_sha256"],
         "target_model_path": inputs["target_model_path"], "data_dir": inputs["data_dir"],
-        "training_dir": inputs["training_dir"], "prompts_file": inputs["prompts"],
+        "training_dir": inputs["training_dir"], "prompts_file": shown_dataset(inputs["prompts"]),
         "prompts_sha256": inputs["prompts_sha256"], "prompt_ids": [p.sample_id for p in prompts],
         "finished": time.time(),
     }  # fmt: skip

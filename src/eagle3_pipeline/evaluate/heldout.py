@@ -40,9 +40,8 @@ import hashlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
-from eagle3_pipeline.conversations.dataset import Sample, read_dataset
+from eagle3_pipeline.conversations.dataset import Sample, dataset_paths, read_dataset
 from eagle3_pipeline.conversations.template import ChatRenderer, SampleError
 
 SHOWN_OVERLAPS = 20
@@ -82,20 +81,21 @@ class KnownId:
     line: int
 
 
-def iter_heldout_prompts(path: str | os.PathLike, renderer: ChatRenderer, known_ids: frozenset[str] = frozenset(),
+def iter_heldout_prompts(path, renderer: ChatRenderer, known_ids: frozenset[str] = frozenset(),
                          ) -> Iterator[HeldoutPrompt | KnownId | str]:
     """Every record of ``path`` as a ``HeldoutPrompt``, a ``KnownId`` (its id is in ``known_ids``: rendering a
     long conversation only to exclude it would cost most of the selection when the prompts file is the
     training's own dataset), or a line saying why it was left out, in file order."""
-    path = Path(path)
-    if not path.exists():
-        raise HeldoutError(f"{path}: no such file (the held-out prompts: ShareGPT or OpenAI records, JSONL, a JSON "
-                           "array, Parquet or Arrow, or a folder of them)")
+    for missing in (p for p in dataset_paths(path) if not p.exists()):
+        raise HeldoutError(f"{missing}: no such file (the held-out prompts: ShareGPT or OpenAI records, JSONL, a "
+                           "JSON array, Parquet or Arrow, or a folder of them)")
     for record in read_dataset(path):
         if not isinstance(record, Sample):
             yield f"line {record.line}: {record.reason}: {record.detail}"
             continue
-        if not record.id_generated and record.sample_id in known_ids:
+        # A mixture's ids are "<source>.<id>": its records are known by their own ids too (a training on one file).
+        own_id = record.sample_id.removeprefix(f"{record.source}.") if record.source else record.sample_id
+        if not record.id_generated and (record.sample_id in known_ids or own_id in known_ids):
             yield KnownId(record.sample_id, record.line)
             continue
         first = _first_assistant(record.messages)
@@ -185,7 +185,7 @@ class HeldoutSelection:
                           "whose decode would pass the training's max_length"}
 
 
-def select_heldout_prompts(path: str | os.PathLike, renderer: ChatRenderer, data, num_prompts: int,
+def select_heldout_prompts(path, renderer: ChatRenderer, data, num_prompts: int,
                            min_prompts: int = 1, max_new_tokens: int = 0) -> HeldoutSelection:
     """The first ``num_prompts`` prompts of ``path`` that the drafter never saw (see the module docstring).
 

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3_pipeline.cli_args import path_arg, path_str
+from eagle3_pipeline.cli_args import dataset_arg, path_arg, path_str
 from eagle3_pipeline.parts import files
 from eagle3_pipeline.progress_file import ProgressReporter
 from eagle3_pipeline.work_window import run_window
@@ -355,18 +355,6 @@ class PartJob(ABC):
 
 
 # -- the command line ---------------------------------------------------------------------
-def dataset_arg(text: str):
-    """``--dataset``: a path, or a mixture's sources as a JSON list (``conversations.dataset.parse_sources``)."""
-    if not text.lstrip().startswith("["):
-        return path_arg(text)
-    from eagle3_pipeline.conversations.dataset import parse_sources  # noqa: PLC0415
-
-    try:
-        return tuple(parse_sources(text))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def check_dataset(dataset) -> None:
     """FileNotFoundError naming the first path of ``dataset`` (a path or a mixture) that is not there."""
     from eagle3_pipeline.conversations.dataset import dataset_paths  # noqa: PLC0415

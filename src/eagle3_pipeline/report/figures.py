@@ -19,8 +19,8 @@ from eagle3_pipeline.train.charts import (
     ACCURACY_CHART,
     LOSS_CHART,
     METRICS_FILE,
-    _figure_class,
-    _save,
+    figure_class,
+    save_figure,
     write_charts,
 )
 
@@ -66,12 +66,12 @@ def acceptance_figure(acceptance: AcceptanceComparison, out_dir: Path) -> Figure
     if acceptance.measured_rates is None:
         return None
     try:
-        figure_class = _figure_class()
+        make_figure = figure_class()
     except ImportError as exc:
         return Figure(MEASURED_CHART, CAPTIONS[MEASURED_CHART], reason=f"chart not drawn: {exc}")
     measured = acceptance.measured_rates
     simulated = (acceptance.simulated_rates or [])[: len(measured)]
-    figure = figure_class(figsize=(9, 5), layout="constrained")
+    figure = make_figure(figsize=(9, 5), layout="constrained")
     axes = figure.add_subplot()
     width = 0.4 if simulated else 0.6
     positions = range(len(measured))
@@ -90,5 +90,5 @@ def acceptance_figure(acceptance: AcceptanceComparison, out_dir: Path) -> Figure
     axes.set_title("Acceptance per draft position: measured vs simulated")
     axes.grid(True, axis="y", alpha=0.3)
     axes.legend(loc="upper right", fontsize="small")
-    _save(figure, out_dir / MEASURED_CHART)
+    save_figure(figure, out_dir / MEASURED_CHART)
     return Figure(MEASURED_CHART, CAPTIONS[MEASURED_CHART])

@@ -1,24 +1,33 @@
-"""The report's HTML: one page, inline CSS, images by relative file name, no script, no network.
+"""The report's page: the values each section shows, prepared here; its markup, in ``templates/``.
 
 The page reads in the order an operator needs it: the verdict first (the headline, measured
 against simulated acceptance per chain length, what passed, what to look at), then the charts,
 then each stage's details, newest result first, and the run's settings last, folded in a
 ``<details>`` element, their names never broken mid-word.
 
-Safe by construction: every value is escaped by ``esc`` unless it is an ``Html`` fragment built
-here, and a Content-Security-Policy forbids scripts, remote loads and everything but the page's
-own images and inline style, so a value that slipped through could still run nothing.
+The markup is Jinja2 (``templates/page.html.j2``, one template per section under
+``templates/sections/``, the shared table and cells in ``templates/macros.html.j2``, the style in
+``templates/report.css``): another section, or an operator's own branding, is an edit of a
+template. This module gives each section's template its values: text, formatted numbers, and
+table rows whose cells are plain values, ``Code`` (shown as code) or ``Mark`` (a word styled as
+good or bad); it writes no markup.
+
+Safe by construction: the environment autoescapes every value (only the stylesheet, which holds
+no value, is included as it is), and a Content-Security-Policy forbids scripts, remote loads and
+everything but the page's own images and inline style, so a value that slipped through could
+still run nothing.
 """
 
 from __future__ import annotations
 
-import html
 import json
 import math
 import shlex
 import time
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import jinja2
 
 from eagle3_pipeline import __version__
 from eagle3_pipeline.report.checks import FAIL, FAILED, PASS, PASSED, RunVerdict, run_verdict
@@ -32,7 +41,7 @@ SERVING_HOST, SERVING_PORT = "127.0.0.1", 30000
 MAX_RECORD_ROWS = 50
 CSP = "default-src 'none'; img-src 'self' data:; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'"
 # The page's order: the verdict and the charts first, then the stages from the result back to the
-# start, the settings (long, and read least) last.
+# start, the settings (long, and read least) last. Each key is a template, sections/<key>.html.j2.
 SECTIONS = (
     ("verdict", "Verdict"),
     ("charts", "Charts"),
@@ -44,98 +53,34 @@ SECTIONS = (
     ("settings", "Settings"),
 )
 SHOWN_EXCLUDED = 50  # rows of the excluded held-out prompts (evaluation.json has them all)
-STYLE = """
-:root { color-scheme: light; --fg: #1d2430; --muted: #5b6577; --line: #d8dde6; --bg: #f6f8fb; --accent: #1f6feb; }
-* { box-sizing: border-box; }
-body { margin: 0; font: 15px/1.5 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: var(--fg);
-       background: var(--bg); }
-header, main, footer { max-width: 1200px; margin: 0 auto; padding: 0 24px; }
-header { padding-top: 24px; }
-h1 { margin: 0 0 4px; font-size: 26px; }
-h2 { margin: 0 0 12px; font-size: 20px; border-bottom: 1px solid var(--line); padding-bottom: 6px; }
-h3 { margin: 18px 0 8px; font-size: 16px; }
-a { color: var(--accent); }
-nav a { margin-right: 14px; text-decoration: none; }
-section { background: #fff; border: 1px solid var(--line); border-radius: 8px; padding: 16px 20px; margin: 18px 0; }
-.muted, figcaption { color: var(--muted); }
-.cards { display: grid; grid-template-columns: repeat(auto-fit, minmax(140px, 1fr)); gap: 12px; }
-.card { background: #fff; border: 1px solid var(--line); border-radius: 8px; padding: 10px 14px; }
-.card .value { font-size: 20px; font-weight: 600; overflow-wrap: anywhere; }
-.card .label { color: var(--muted); font-size: 13px; }
-table { border-collapse: collapse; margin: 6px 0 12px; font-size: 14px; }
-th, td { border: 1px solid var(--line); padding: 4px 8px; text-align: left; vertical-align: top; }
-th { background: var(--bg); font-weight: 600; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; }
-/* Paths and command lines (code) may break anywhere, so that one cannot widen the page; prose breaks
-   a word only where it cannot fit, so that a column is never narrower than its longest word. */
-td.wrap { overflow-wrap: break-word; }
-td code { overflow-wrap: anywhere; word-break: break-word; }
-/* A variable's name is read as one word: never broken, its value wraps instead. */
-td.nowrap, td.nowrap code { white-space: nowrap; overflow-wrap: normal; word-break: normal; }
-table.settings { width: 100%; }
-.scroll { overflow-x: auto; }
-details > summary { cursor: pointer; color: var(--accent); margin: 4px 0 8px; }
-.headline { display: flex; align-items: baseline; gap: 14px; flex-wrap: wrap; border-radius: 8px;
-            padding: 10px 16px; margin: 0 0 14px; border: 1px solid var(--line); background: var(--bg); }
-.headline .word { font-size: 28px; font-weight: 700; letter-spacing: 0.02em; }
-.headline.passed { background: #e9f7ee; border-color: #9bd3ae; }
-.headline.passed .word { color: #1a7f37; }
-.headline.failed { background: #fdeceb; border-color: #f1a9a3; }
-.headline.failed .word { color: #b42318; }
-.headline.pending .word { color: #9a6700; }
-.outcome { white-space: nowrap; }
-.look li { margin: 2px 0; }
-code, pre { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; font-size: 13px; }
-pre { background: #0f1720; color: #e6edf3; padding: 12px; border-radius: 6px; overflow-x: auto; }
-.missing { border-left: 4px solid #d29922; background: #fff8e6; padding: 8px 12px; margin: 8px 0; }
-.bad { color: #b42318; font-weight: 600; }
-.ok { color: #1a7f37; font-weight: 600; }
-figure { margin: 12px 0 20px; }
-figure img { max-width: 100%; height: auto; border: 1px solid var(--line); border-radius: 4px; background: #fff; }
-footer { padding-bottom: 32px; font-size: 13px; }
-"""
+Section = dict[str, Any]  # what one section's template reads, as ``s``
 
 
-class Html(str):
-    """A fragment of HTML that is already safe: built here, with every value escaped."""
+@dataclass(frozen=True)
+class Code:
+    """A table cell shown as code: a path, a command line, a variable's name or value."""
+
+    text: object
 
 
-def esc(value: object) -> Html:
-    """Escape a value for HTML text or a double-quoted attribute; ``Html`` passes as it is."""
-    if isinstance(value, Html):
-        return value
-    return Html(html.escape(str(value), quote=True))
+@dataclass(frozen=True)
+class Mark:
+    """A table cell styled by its CSS class: ``ok``, ``bad``, ``outcome ok``..."""
+
+    text: object
+    kind: str
 
 
-def join(parts: Iterable[object], sep: str = "\n") -> Html:
-    """Concatenate fragments, escaping the ones that are not ``Html``."""
-    return Html(sep.join(esc(p) for p in parts))
+def _autoescape(name: str | None) -> bool:
+    """Every template is escaped but the stylesheet (CSS, no value in it; escaping would break its quotes)."""
+    return not (name or "").endswith(".css")
 
 
-def tag(name: str, content: object = "", **attrs: object) -> Html:
-    """``<name attr="...">content</name>``; attribute values and content are escaped (``class_`` -> class)."""
-    rendered = "".join(f' {key.rstrip("_").replace("_", "-")}="{esc(value)}"'
-                       for key, value in attrs.items() if value is not None)
-    return Html(f"<{name}{rendered}>{esc(content)}</{name}>")
-
-
-def table(headers: Sequence[str] | None, rows: Iterable[Sequence[object]], numeric: Sequence[int] = (),
-          nowrap: Sequence[int] = (), class_: str | None = None) -> Html:
-    """A table (no header row when ``headers`` is None); cells are escaped unless ``Html``; columns in
-    ``numeric`` are right-aligned, columns in ``nowrap`` never break their text (in the others a word
-    breaks only where it cannot fit, and ``<code>`` anywhere, so that a long path cannot widen the page)."""
-    head = tag("thead", tag("tr", join((tag("th", h) for h in headers), ""))) if headers else Html("")
-    body = []
-    for row in rows:
-        cells = [tag("td", cell, class_="num" if i in numeric else "nowrap" if i in nowrap else "wrap")
-                 for i, cell in enumerate(row)]
-        body.append(tag("tr", join(cells, "")))
-    return tag("table", join([head, tag("tbody", join(body))]), class_=class_)
-
-
-def missing(reason: str) -> Html:
-    """The box that says why a figure is not there."""
-    return tag("p", reason[:1].upper() + reason[1:], class_="missing")
+ENVIRONMENT = jinja2.Environment(
+    loader=jinja2.PackageLoader("eagle3_pipeline.report", "templates"), autoescape=_autoescape,
+    undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+)
+ENVIRONMENT.tests.update(code=lambda value: isinstance(value, Code), mark=lambda value: isinstance(value, Mark))
 
 
 # -- formatting ---------------------------------------------------------------------------
@@ -198,7 +143,8 @@ def cell(values: object, k: int) -> str:
     return "-"
 
 
-# -- sections -----------------------------------------------------------------------------
+
+# -- sections: each one's values for its template ------------------------------------------
 @dataclass
 class Page:
     """What the page shows beyond the inputs: the figures drawn and when."""
@@ -208,104 +154,63 @@ class Page:
     generated_at: float
 
 
-def charts_link() -> Html:
-    """A link to the Charts section, for the sections whose charts moved there."""
-    return tag("a", "Charts", href="#charts")
+def figure_item(figure: Figure, alt: str) -> dict:
+    """An image beside the page with its caption, or why it is missing (``reason``)."""
+    return {"reason": figure.reason, "name": figure.name, "caption": figure.caption, "alt": alt}
 
 
-def figure_html(figure: Figure, alt: str) -> Html:
-    """An ``<img>`` of a PNG beside the page, with its caption, or why it is missing."""
-    if figure.reason:
-        return missing(figure.reason)
-    return tag("figure", join([Html(f'<img src="{esc(figure.name)}" alt="{esc(alt)}" loading="eager">'),
-                               tag("figcaption", figure.caption)]))
-
-
-def settings_section(inputs: ReportInputs) -> Html:
-    """The run's variables, secrets withheld, folded: a ``<details>`` closed until the reader opens it.
-
-    The names never break (a ``nowrap`` column); the values wrap where they must.
-    """
+def settings_section(inputs: ReportInputs) -> Section:
+    """The run's variables, secrets withheld; the template folds them in a closed ``<details>``."""
     settings = inputs.settings
-    parts: list[object] = []
-    if settings.values is None:
-        parts.append(missing(f"settings {settings.reason}"))
-    else:
-        count = len(settings.values)
-        parts.append(tag("p", f"{count} variables, from {settings.source}.", class_="muted"))
-        rows = [(tag("code", key), tag("code", as_text(value))) for key, value in sorted(settings.values.items())]
-        parts.append(tag("details", join([
-            tag("summary", f"Show the {count} variables"),
-            tag("div", table(["variable", "value"], rows, nowrap=(0,), class_="settings"), class_="scroll"),
-        ])))
-    if settings.withheld:
-        parts.append(tag("p", "Withheld as secrets (never written to the report): " + ", ".join(settings.withheld),
-                         class_="muted"))
-    return join(parts)
+    values = settings.values
+    rows = [(Code(key), Code(as_text(value))) for key, value in sorted((values or {}).items())]
+    return {"reason": None if values is not None else settings.reason, "source": settings.source, "rows": rows,
+            "withheld": list(settings.withheld)}
 
 
-def _gpu_log_html(log: GpuResetLog) -> Html:
+def _gpu_log(log: GpuResetLog) -> Section:
+    """One host's gpu_reset report: its GPUs before and after, what it stopped, left, or would stop."""
     r = log.record
-    title = log.host if log.label == log.host else f"{log.host} ({log.label})"
-    parts: list[object] = [tag("h3", title + (" - check mode, nothing signalled" if r.get("check_mode") else ""))]
+    entry: Section = {"title": log.host if log.label == log.host else f"{log.host} ({log.label})",
+                      "check_mode": bool(r.get("check_mode")), "error": log.error}
     if log.error:
-        return join([*parts, missing(f"unreadable: {log.error}")])
+        return entry
+    timing = []
+    if isinstance(r.get("seconds_to_free"), (int, float)):
+        timing.append(f"first signal to verified free: {duration(r['seconds_to_free'])}")
+    if isinstance(r.get("stop_seconds"), (int, float)):
+        timing.append(f"stopping took {duration(r['stop_seconds'])}")
+    if isinstance(r.get("wait_seconds"), (int, float)):
+        timing.append(f"waiting for free memory took {duration(r['wait_seconds'])}")
+    after = {g.get("index"): g for g in r.get("gpus_after") or [] if isinstance(g, dict)}
+    gpus = [(g.get("index"), g.get("name", "-"), number(g.get("memory_used_mib")),
+             number(after.get(g.get("index"), {}).get("memory_used_mib")),
+             {True: "yes", False: "no"}.get(after.get(g.get("index"), {}).get("free"), "-"))
+            for g in r.get("gpus_before") or [] if isinstance(g, dict)]
+    stopped = [(p.get("pid"), Code(p.get("cmdline", "")), p.get("unit", "-"),
+                p.get("signal") or "exited before any signal", duration(p.get("seconds")),
+                ", ".join(str(g) for g in p.get("gpus") or []) or "-")
+               for p in r.get("stopped") or [] if isinstance(p, dict)]
+    would = [(p.get("pid"), Code(p.get("cmdline", "")), p.get("unit", "-"))
+             for p in r.get("would_stop") or [] if isinstance(p, dict)]
+    left = [(p.get("pid"), Code(p.get("cmdline", "")), p.get("reason", "-"))
+            for p in r.get("left") or [] if isinstance(p, dict)]
     nvml = (f"NVML: driver {r.get('driver_version')}" if r.get("nvml_available")
             else f"NVML unavailable: {r.get('nvml_reason') or 'no reason recorded'}")
-    parts.append(tag("p", f"{nvml}. Report written {moment(log.written_at)} ({log.path.name})."))
-    free_line = []
-    if isinstance(r.get("seconds_to_free"), (int, float)):
-        free_line.append(f"first signal to verified free: {duration(r['seconds_to_free'])}")
-    if isinstance(r.get("stop_seconds"), (int, float)):
-        free_line.append(f"stopping took {duration(r['stop_seconds'])}")
-    if isinstance(r.get("wait_seconds"), (int, float)):
-        free_line.append(f"waiting for free memory took {duration(r['wait_seconds'])}")
-    if free_line:
-        parts.append(tag("p", "; ".join(free_line) + "."))
-    after = {g.get("index"): g for g in r.get("gpus_after") or [] if isinstance(g, dict)}
-    gpus = [g for g in r.get("gpus_before") or [] if isinstance(g, dict)]
-    if gpus:
-        rows = [(g.get("index"), g.get("name", "-"), number(g.get("memory_used_mib")),
-                 number(after.get(g.get("index"), {}).get("memory_used_mib")),
-                 {True: "yes", False: "no"}.get(after.get(g.get("index"), {}).get("free"), "-"))
-                for g in gpus]
-        parts.append(table(["GPU", "name", "MiB used before", "MiB used after", "free"], rows, numeric=(0, 2, 3)))
-    stopped = [p for p in r.get("stopped") or [] if isinstance(p, dict)]
-    if stopped:
-        rows = [(p.get("pid"), tag("code", p.get("cmdline", "")), p.get("unit", "-"),
-                 p.get("signal") or "exited before any signal", duration(p.get("seconds")),
-                 ", ".join(str(g) for g in p.get("gpus") or []) or "-") for p in stopped]
-        parts += [tag("p", f"Stopped {len(stopped)} process(es):"),
-                  table(["PID", "command line", "unit", "signal", "seconds to exit", "GPUs"], rows, numeric=(0,))]
-    would = [p for p in r.get("would_stop") or [] if isinstance(p, dict)]
-    if would:
-        rows = [(p.get("pid"), tag("code", p.get("cmdline", "")), p.get("unit", "-")) for p in would]
-        parts += [tag("p", f"Would stop {len(would)} process(es):"),
-                  table(["PID", "command line", "unit"], rows, numeric=(0,))]
-    left = [p for p in r.get("left") or [] if isinstance(p, dict)]
-    if left:
-        rows = [(p.get("pid"), tag("code", p.get("cmdline", "")), p.get("reason", "-")) for p in left]
-        parts += [tag("p", f"Left running ({len(left)}):"), table(["PID", "command line", "why"], rows, numeric=(0,))]
-    if not stopped and not would and not left:
-        parts.append(tag("p", "No process held the GPUs: nothing was stopped."))
-    problems = [str(p) for p in r.get("health_problems") or []]
-    if problems:
-        parts.append(tag("ul", join(tag("li", p, class_="bad") for p in problems)))
-    return join(parts)
+    return {**entry, "nvml": nvml, "written": moment(log.written_at), "file": log.path.name,
+            "timing": "; ".join(timing), "gpus": gpus, "stopped": stopped, "would": would, "left": left,
+            "problems": [str(p) for p in r.get("health_problems") or []]}
 
 
-def gpu_reset_section(inputs: ReportInputs) -> Html:
+def gpu_reset_section(inputs: ReportInputs) -> Section:
     """Per host: what was stopped, how long until the GPUs were free."""
-    if inputs.gpu_reset_reason:
-        return missing(inputs.gpu_reset_reason)
-    intro = tag("p", f"{len(inputs.gpu_reset)} report(s) from {inputs.gpu_reset_dir}.", class_="muted")
-    return join([intro, *(_gpu_log_html(log) for log in inputs.gpu_reset)])
+    return {"reason": inputs.gpu_reset_reason, "count": len(inputs.gpu_reset), "directory": inputs.gpu_reset_dir,
+            "logs": [] if inputs.gpu_reset_reason else [_gpu_log(log) for log in inputs.gpu_reset]}
 
 
-def _records_table(records: object) -> Html:
-    rows = [(r.get("line", "-"), tag("code", r.get("id", "-")), r.get("reason", "-"), r.get("detail", ""))
+def _records_rows(records: object) -> list[tuple]:
+    return [(r.get("line", "-"), Code(r.get("id", "-")), r.get("reason", "-"), r.get("detail", ""))
             for r in (records if isinstance(records, list) else [])[:MAX_RECORD_ROWS] if isinstance(r, dict)]
-    return table(["line", "id", "reason", "detail"], rows, numeric=(0,))
 
 
 def _storage(manifest: dict) -> str:
@@ -319,22 +224,22 @@ def _storage(manifest: dict) -> str:
             f"{storage.get('read_as', '-')}")
 
 
-def extraction_section(inputs: ReportInputs) -> Html:
+def extraction_section(inputs: ReportInputs) -> Section:
     """Samples, tokens, bytes, skipped and failed records with reasons, throughput."""
     stats = inputs.extraction
     m = stats.manifest
     if m is None:
-        return missing(stats.reason or "not measured")
+        return {"reason": stats.reason or "not measured"}
     tokens, stored = m.get("num_tokens"), m.get("bytes")
     per_token = stored / tokens if isinstance(stored, (int, float)) and isinstance(tokens, int) and tokens else None
     dataset = m.get("dataset") if isinstance(m.get("dataset"), dict) else {}
     skipped = m.get("skipped") if isinstance(m.get("skipped"), list) else []
     failed = m.get("failed") if isinstance(m.get("failed"), list) else []
     rows = [
-        ("data directory", tag("code", stats.data_dir)),
+        ("data directory", Code(stats.data_dir)),
         ("dataset", f"{dataset.get('name', '-')} (sha256 {str(dataset.get('sha256', '-'))[:16]}...)"),
         ("engine", f"{m.get('engine', '-')} {m.get('engine_version', '')}".strip()),
-        ("target model", tag("code", m.get("target_model_path", "-"))),
+        ("target model", Code(m.get("target_model_path", "-"))),
         ("aux layers (0-based, output of the layer)", as_text(m.get("aux_layers"))),
         ("hidden size / layers / vocabulary",
          f"{number(m.get('hidden_size'))} / {number(m.get('num_hidden_layers'))} / {number(m.get('vocab_size'))}"),
@@ -349,36 +254,25 @@ def extraction_section(inputs: ReportInputs) -> Html:
         ("skipped records", number(len(skipped))),
         ("failed samples", number(len(failed))),
     ]
-    parts: list[object] = [table(None, rows)]
-    if stats.throughput:
-        trows = [(t.part, t.state, number(t.done), number(t.tokens), number(t.tokens_per_s, 1), duration(t.elapsed_s))
-                 for t in stats.throughput]
-        parts += [tag("h3", "Throughput"),
-                  tag("p", "Each part's last progress record (a resumed part counts from its last start).",
-                      class_="muted"),
-                  table(["part", "state", "samples", "tokens", "tokens/s", "elapsed"], trows, numeric=(2, 3, 4))]
-    else:
-        parts.append(missing(f"throughput not recorded: no {stats.data_dir}/parts/*.progress.json"))
-    for kind, records, label in (("skipped", skipped, "Skipped records"), ("failed", failed, "Failed samples")):
-        if not records:
-            continue
-        shown = f" (first {MAX_RECORD_ROWS} of {len(records)})" if len(records) > MAX_RECORD_ROWS else ""
-        parts += [tag("h3", f"{label}: {len(records)}"),
-                  table(["reason", "count"], stats.reasons(kind), numeric=(1,)),
-                  tag("p", f"Records{shown}:", class_="muted"), _records_table(records)]
-    return join(parts)
+    throughput = [(t.part, t.state, number(t.done), number(t.tokens), number(t.tokens_per_s, 1),
+                   duration(t.elapsed_s)) for t in stats.throughput]
+    kinds = [{"label": label, "count": len(records), "reasons": stats.reasons(kind), "rows": _records_rows(records),
+              "shown": f" (first {MAX_RECORD_ROWS} of {len(records)})" if len(records) > MAX_RECORD_ROWS else ""}
+             for kind, records, label in (("skipped", skipped, "Skipped records"), ("failed", failed, "Failed samples"))
+             if records]
+    return {"reason": None, "rows": rows, "throughput": throughput, "data_dir": stats.data_dir, "kinds": kinds}
 
 
-def training_section(inputs: ReportInputs, page: Page) -> Html:
+def training_section(inputs: ReportInputs, page: Page) -> Section:
     """The training's figures, per-position accuracy and charts."""
     training = inputs.training
     if training.metrics is None:
-        return missing(training.reason or "not measured")
+        return {"reason": training.reason or "not measured"}
     record = training.record or {}
     last_train, last_eval = training.last("train"), training.last("eval")
     steps = f"{number(record.get('steps', last_train and last_train['step']))} of {number(record.get('total_steps'))}"
     rows = [
-        ("training directory", tag("code", training.directory)),
+        ("training directory", Code(training.directory)),
         ("state", "finished (training.json written)" if training.record else "not finished: no training.json yet"),
         ("steps", steps),
         ("device, processes, dtype",
@@ -407,7 +301,6 @@ def training_section(inputs: ReportInputs, page: Page) -> Html:
                       f"{number(opening.get('acceptance_length'))} (per token){walk}")]
     if training.metrics.skipped_lines:
         rows.append(("metrics lines skipped", f"{training.metrics.skipped_lines} (torn or not a record)"))
-    parts: list[object] = [table(None, rows), tag("h3", "Accuracy per draft position")]
     opening = last_eval.get("opening") if last_eval else None
     opening = {**opening, "step": last_eval["step"]} if isinstance(opening, dict) else None
     sources = [(label, r) for label, r in (("held-out", last_eval), ("held-out, served first answers", opening),
@@ -416,19 +309,14 @@ def training_section(inputs: ReportInputs, page: Page) -> Html:
     headers = ["position k"]
     for label, r in sources:
         headers += [f"acc_k ({label}, step {r['step']})", f"cond_acc_k ({label})"]
-    prow = []
+    accuracy = []
     for k in range(positions):
         row: list[object] = [k]
         for _, r in sources:
             row += [cell(r.get("acc_k"), k), cell(r.get("cond_acc_k"), k)]
-        prow.append(row)
-    parts += [tag("p", "acc_k: top-1 agreement with the target at draft position k; cond_acc_k: the same given "
-                       "positions 0..k-1 right.", class_="muted"),
-              table(headers, prow, numeric=tuple(range(len(headers))))]
-    if page.training_figures:
-        parts.append(tag("p", join(["The training charts are with the others, under ", charts_link(), "."], ""),
-                         class_="muted"))
-    return join(parts)
+        accuracy.append(row)
+    return {"reason": None, "rows": rows, "headers": headers, "accuracy": accuracy,
+            "charts": bool(page.training_figures)}
 
 
 def _recorded_simulated_tau(record: dict) -> str:
@@ -443,67 +331,73 @@ def _recorded_simulated_tau(record: dict) -> str:
     return f"{number(float(tau))}" + (f" ({source})" if isinstance(source, str) and source else "")
 
 
-def positions_html(record: dict) -> list[Html]:
+def positions_view(record: dict) -> Section | None:
     """How the evaluation's verdict judged each draft position: rounds, measured, its 99 % bound, predicted."""
     verdict = record.get("verdict") if isinstance(record.get("verdict"), dict) else {}
     positions = [p for p in verdict.get("positions") or [] if isinstance(p, dict)]
     if not positions:
-        return []
+        return None
     rows = [(number(p.get("draft_tokens")), number(p.get("position")), number(p.get("rounds")),
              number(p.get("measured")), number(p.get("upper_99")), number(p.get("predicted")),
              number(p.get("predicted_rounds")), number(p.get("predicted_lower_99")),
              "yes" if p.get("judged") else "no: too few rounds",
-             tag("span", "yes", class_="ok") if p.get("ok") and p.get("judged") else
-             tag("span", "BELOW", class_="bad") if p.get("ok") is False else "-") for p in positions]
+             Mark("yes", "ok") if p.get("ok") and p.get("judged") else
+             Mark("BELOW", "bad") if p.get("ok") is False else "-") for p in positions]
     ratio = verdict.get("min_ratio")
-    return [tag("h3", "The verdict per draft position"),
-            tag("p", f"A position is judged when {verdict.get('min_rounds', '-')} rounds or more reached it, in the "
-                     f"measurement and in the held-out rounds behind the prediction, and fails when even the upper "
-                     f"end of the 99 % interval of its measured rate is below "
-                     f"{number(ratio) if isinstance(ratio, (int, float)) else '-'} times the lower end of the "
-                     f"prediction's ({verdict.get('predicted_from') or 'source not recorded'}).", class_="muted"),
-            table(["drafts per verify", "position", "rounds that reached it", "measured P(accepted | earlier)",
-                   "99 % upper bound", "predicted", "held-out rounds behind it", "its 99 % lower bound", "judged",
-                   "within"], rows, numeric=(0, 1, 2, 3, 4, 5, 6, 7))]
+    return {"rows": rows, "min_rounds": verdict.get("min_rounds", "-"),
+            "min_ratio": number(ratio) if isinstance(ratio, (int, float)) else "-",
+            "predicted_from": verdict.get("predicted_from") or "source not recorded"}
 
 
-def chains_html(record: dict) -> list[Html]:
+def chain_runs(record: dict) -> list[tuple]:
     """Measured against predicted at every chain length the evaluation ran (SpecForge's 3-1-4 and 7-1-8)."""
-    runs = [run for run in record.get("runs") or [] if isinstance(run, dict)]
-    if not runs:
-        return []
-    rows = [(number(run.get("draft_tokens")), number(run.get("tau")), number(run.get("predicted_tau")),
+    return [(number(run.get("draft_tokens")), number(run.get("tau")), number(run.get("predicted_tau")),
              per_position(run.get("conditional_acceptance_per_position")),
              per_position(run.get("predicted_conditional_acceptance")), number(run.get("tokens_per_s"), 1))
-            for run in runs]
-    return [tag("h3", "At each chain length (same prompts)"),
-            table(["drafts per verify", "measured tau", "predicted tau", "measured P(accepted | earlier accepted)",
-                   "predicted by the training", "tokens/s"], rows, numeric=(0, 1, 2, 5))]
+            for run in record.get("runs") or [] if isinstance(run, dict)]
 
 
-def excluded_html(record: dict) -> list[Html]:
+def excluded_view(record: dict) -> Section | None:
     """Held-out prompts left out because the training data has them, they repeat one, or they are longer than the
     training's samples."""
     excluded = [e for e in record.get("excluded_prompts") or [] if isinstance(e, dict)]
     if not excluded:
-        return []
+        return None
     rows = [(as_text(e.get("id")), number(e.get("line")), as_text(e.get("reason")), as_text(e.get("other")))
             for e in excluded[:SHOWN_EXCLUDED]]
-    more = [tag("p", f"... and {len(excluded) - SHOWN_EXCLUDED} more: evaluation.json lists every one.",
-                class_="muted")] if len(excluded) > SHOWN_EXCLUDED else []
-    return [tag("h3", f"Prompts excluded ({len(excluded)}): seen in training, repeated or too long"),
-            table(["id", "line", "reason", "matches"], rows, numeric=(1,)), *more]
+    return {"count": len(excluded), "rows": rows, "more": max(len(excluded) - SHOWN_EXCLUDED, 0)}
 
 
-def acceptance_section(inputs: ReportInputs, page: Page) -> Html:
+def _reference_check(record: dict) -> tuple[str, object] | None:
+    """The row that says whether the drafted outputs equal the target's own greedy decode."""
+    check = record.get("reference_check") if isinstance(record.get("reference_check"), dict) else None
+    if check is not None and check.get("checked"):
+        mismatches = [m for m in check.get("mismatches") or [] if isinstance(m, dict)]
+        faults = [m for m in mismatches if not m.get("near_tie")]
+        text = "yes, every output" if not mismatches else (
+            f"{len(mismatches) - len(faults)} differ at a numerical near-tie (logit gaps "
+            f"{', '.join(number(m.get('logit_gap'), 3) for m in mismatches if m.get('near_tie'))}), "
+            f"{len(faults)} differ otherwise")
+        return (f"output equals the target's own greedy decode ({as_text(check.get('method'))})",
+                Mark(text, "bad" if faults else "ok"))
+    if "outputs_match_target" in record:
+        match = record["outputs_match_target"]
+        mismatches = record.get("output_mismatches")
+        return ("output equals the target's own greedy decode",
+                Mark("yes", "ok") if match is True
+                else Mark(f"no: {as_text(mismatches)}", "bad") if match is False else "not checked")
+    return None
+
+
+def acceptance_section(inputs: ReportInputs, page: Page) -> Section:
     """Measured tau and acceptance per position beside the training's simulation."""
     acceptance, evaluation = inputs.acceptance, inputs.evaluation
     simulated_line = None
     if acceptance.simulated_rates is not None:
-        simulated_line = tag("p", f"Simulated by the training ({acceptance.simulated_source}): P(draft position k "
-                                  f"accepted) {per_position(acceptance.simulated_rates)}.")
+        simulated_line = (f"Simulated by the training ({acceptance.simulated_source}): P(draft position k "
+                          f"accepted) {per_position(acceptance.simulated_rates)}.")
     if acceptance.reason:
-        return join([missing(acceptance.reason), *([simulated_line] if simulated_line else [])])
+        return {"reason": acceptance.reason, "simulated_line": simulated_line}
     record = evaluation.record or {}
     measured = acceptance.measured_rates or []
     rows: list[tuple[object, object]] = [
@@ -524,39 +418,18 @@ def acceptance_section(inputs: ReportInputs, page: Page) -> Html:
                      number(record["sglang_accept_length"])))
     if "tokens_per_s" in record:
         rows.append(("tokens/s with drafting", number(record.get("tokens_per_s"), 1)))
-    check = record.get("reference_check") if isinstance(record.get("reference_check"), dict) else None
-    if check is not None and check.get("checked"):
-        mismatches = [m for m in check.get("mismatches") or [] if isinstance(m, dict)]
-        faults = [m for m in mismatches if not m.get("near_tie")]
-        text = "yes, every output" if not mismatches else (
-            f"{len(mismatches) - len(faults)} differ at a numerical near-tie (logit gaps "
-            f"{', '.join(number(m.get('logit_gap'), 3) for m in mismatches if m.get('near_tie'))}), "
-            f"{len(faults)} differ otherwise")
-        rows.append((f"output equals the target's own greedy decode ({as_text(check.get('method'))})",
-                     tag("span", text, class_="bad" if faults else "ok")))
-    elif "outputs_match_target" in record:
-        match = record["outputs_match_target"]
-        mismatches = record.get("output_mismatches")
-        rows.append(("output equals the target's own greedy decode",
-                     tag("span", "yes", class_="ok") if match is True
-                     else tag("span", f"no: {as_text(mismatches)}", class_="bad") if match is False else "not checked"))
-    rows.append(("record", tag("code", evaluation.path)))
-    parts: list[object] = [table(None, rows), *chains_html(record), *positions_html(record), *excluded_html(record)]
-    if measured:
-        simulated = acceptance.simulated_rates or []
-        conditional = record.get("conditional_acceptance_per_position")
-        prow = [(k, number(measured[k]), cell(conditional, k), number(simulated[k]) if k < len(simulated) else "-")
-                for k in range(len(measured))]
-        parts.append(table(["draft position k", "measured P(accepted)", "measured P(accepted | 0..k-1 accepted)",
-                            "simulated P(accepted)"], prow, numeric=(0, 1, 2, 3)))
-    elif simulated_line is not None:
-        parts.append(simulated_line)
-    for note in (acceptance.note, record.get("note")):
-        if isinstance(note, str) and note:
-            parts.append(tag("p", note, class_="muted"))
-    if page.acceptance_figure is not None:
-        parts.append(tag("p", join(["The chart of these rates is under ", charts_link(), "."], ""), class_="muted"))
-    return join(parts)
+    check = _reference_check(record)
+    if check is not None:
+        rows.append(check)
+    rows.append(("record", Code(evaluation.path)))
+    simulated = acceptance.simulated_rates or []
+    conditional = record.get("conditional_acceptance_per_position")
+    per_k = [(k, number(measured[k]), cell(conditional, k), number(simulated[k]) if k < len(simulated) else "-")
+             for k in range(len(measured))]
+    return {"reason": None, "simulated_line": simulated_line, "rows": rows, "runs": chain_runs(record),
+            "positions": positions_view(record), "excluded": excluded_view(record), "per_k": per_k,
+            "notes": [note for note in (acceptance.note, record.get("note")) if isinstance(note, str) and note],
+            "chart": page.acceptance_figure is not None}
 
 
 def serving_argv(inputs: ReportInputs) -> list[str]:
@@ -578,34 +451,23 @@ def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def drafter_section(inputs: ReportInputs) -> Html:
+def drafter_section(inputs: ReportInputs) -> Section:
     """Where the drafter is, what it is, and the SGLang command that serves it."""
     drafter = inputs.drafter
-    parts: list[object] = []
-    if drafter.config is None:
-        parts.append(missing(drafter.reason or "no drafter"))
-    else:
+    rows = None
+    if drafter.config is not None:
         config = drafter.config
         eagle = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
         rows = [
-            ("directory", tag("code", drafter.directory)),
+            ("directory", Code(drafter.directory)),
             ("architecture", as_text(config.get("architectures", "-"))),
             ("draft vocabulary", number(config.get("draft_vocab_size"))),
             ("target hidden size", number(config.get("target_hidden_size"))),
             ("aux layers it reads", as_text(eagle.get("eagle_aux_hidden_state_layer_ids", "-"))),
             ("weights (model.safetensors)", size(drafter.weights_bytes)),
         ]
-        parts.append(table(None, rows))
-    parts += [
-        tag("h3", "Serve it with SGLang"),
-        tag("p", "On the GPU host, with the Python of SGLang's venv: a chain of draft tokens, top-1, the length the "
-                 "evaluation measured (--speculative-num-draft-tokens is always --speculative-num-steps + 1):",
-            class_="muted"),
-        tag("pre", tag("code", shlex.join(serving_argv(inputs)))),
-    ]
-    if inputs.target_model_path is None:
-        parts.append(missing("target model unknown: no manifest names it; pass --target-model-path"))
-    return join(parts)
+    return {"reason": drafter.reason or "no drafter", "rows": rows, "command": shlex.join(serving_argv(inputs)),
+            "target_known": inputs.target_model_path is not None}
 
 
 def _chain_of(inputs: ReportInputs) -> str:
@@ -614,12 +476,12 @@ def _chain_of(inputs: ReportInputs) -> str:
     return f" at {chain} drafts" if isinstance(chain, int) and not isinstance(chain, bool) else ""
 
 
-def summary_cards(inputs: ReportInputs) -> Html:
-    """The run at a glance."""
+def summary_cards(inputs: ReportInputs) -> list[tuple[str, str]]:
+    """The run at a glance: (label, value)."""
     m = inputs.extraction.manifest or {}
     acceptance = inputs.acceptance
     verdict = (inputs.evaluation.record or {}).get("verdict")
-    cards = [
+    return [
         ("measured acceptance length tau" + _chain_of(inputs), number(acceptance.measured_tau, 2)
          if not acceptance.reason else "not measured"),
         ("evaluation verdict", "-" if not isinstance(verdict, dict) else
@@ -631,21 +493,10 @@ def summary_cards(inputs: ReportInputs) -> Html:
         ("hidden states on disk", size(m.get("bytes")).split(" (")[0]),
         ("training steps", number((inputs.training.record or {}).get("steps"))),
     ]
-    return Html('<div class="cards">' + join(
-        (Html(f'<div class="card"><div class="value">{esc(v)}</div><div class="label">{esc(k)}</div></div>')
-         for k, v in cards), "") + "</div>")
 
 
-def chains_table(verdict: RunVerdict, inputs: ReportInputs) -> Html:
+def chains_rows(verdict: RunVerdict) -> list[tuple]:
     """Measured tau against the training's simulated tau at each chain length the evaluation ran."""
-    acceptance = inputs.acceptance
-    if not verdict.chains:
-        rates = acceptance.simulated_rates
-        if rates:
-            return tag("p", f"Nothing measured to compare with: the training ({acceptance.simulated_source}) "
-                            f"simulates tau {number(1 + sum(rates), 2)} over its {len(rates)} draft positions.",
-                       class_="muted")
-        return tag("p", "Nothing measured, and no training metrics to simulate from.", class_="muted")
     rows = []
     for chain in verdict.chains:
         simulated = number(chain.simulated_tau, 2) if chain.simulated_tau is not None else \
@@ -653,63 +504,49 @@ def chains_table(verdict: RunVerdict, inputs: ReportInputs) -> Html:
         ratio = (f"{chain.measured_tau / chain.simulated_tau:.0%}" if chain.measured_tau is not None
                  and chain.simulated_tau else "-")
         judged = ("none (too few rounds)" if not chain.judged else
-                  tag("span", f"{chain.judged} judged, all within", class_="ok") if not chain.below else
-                  tag("span", f"{chain.judged} judged, {chain.below} below", class_="bad"))
+                  Mark(f"{chain.judged} judged, all within", "ok") if not chain.below else
+                  Mark(f"{chain.judged} judged, {chain.below} below", "bad"))
         replayed = number(chain.replayed_tau, 2) if chain.replayed_tau is not None else "-"
         rows.append((number(chain.draft_tokens), number(chain.measured_tau, 2), replayed, simulated, ratio, judged))
-    source = f"Simulated from {verdict.simulated_from}. " if verdict.simulated_from else ""
-    return join([
-        table(["drafts per verify", "measured tau", "replayed tau (full forwards)", "simulated tau (training)",
-               "measured / simulated", "draft positions judged"], rows, numeric=(0, 1, 2, 4)),
-        tag("p", f"tau: tokens per target forward (1 + the drafts accepted per verify). Replayed: the same drafter "
-                 "on the same prompts, every state from full forwards of the target's greedy decode (what serving "
-                 f"should measure). {source}Details under Acceptance below.", class_="muted"),
-        *([tag("p", verdict.diagnosis)] if verdict.diagnosis else []),
-    ])
+    return rows
 
 
-def _outcome(outcome: str, shown: str) -> Html:
-    return tag("span", shown, class_="outcome " + ("ok" if outcome == PASS else "bad" if outcome == FAIL else "muted"))
+def _outcome(outcome: str, shown: str) -> Mark:
+    return Mark(shown, "outcome " + ("ok" if outcome == PASS else "bad" if outcome == FAIL else "muted"))
 
 
-def verdict_section(inputs: ReportInputs, verdict: RunVerdict) -> Html:
+def verdict_section(inputs: ReportInputs, verdict: RunVerdict) -> Section:
     """The page's first section: the headline, measured against simulated, what passed, what to look at."""
-    kind = {PASSED: "passed", FAILED: "failed"}.get(verdict.word, "pending")
-    headline = tag("div", join([tag("span", verdict.word, class_="word"), tag("span", verdict.sentence)], " "),
-                   class_=f"headline {kind}", id="headline")
-    checks = table(["check", "outcome", "detail"], [(c.name, _outcome(c.outcome, c.shown), c.detail)
-                                                    for c in verdict.checks])
-    items = []
-    for item in verdict.look_at:
-        content: list[object] = [item.text, " ", tag("a", "(details)", href=f"#{item.section}")]
-        if item.items:
-            content.append(tag("ol", join(tag("li", text) for text in item.items)))
-        items.append(tag("li", join(content, ""), class_="bad" if item.bad else None))
-    look = tag("ul", join(items), class_="look") if items else \
-        tag("p", "Nothing: no problem recorded, no record skipped or excluded.", class_="muted")
-    return join([headline, summary_cards(inputs), tag("h3", "Measured against simulated acceptance"),
-                 chains_table(verdict, inputs), tag("h3", "What passed"), checks, tag("h3", "What to look at"), look])
+    rates = inputs.acceptance.simulated_rates
+    return {
+        "kind": {PASSED: "passed", FAILED: "failed"}.get(verdict.word, "pending"), "word": verdict.word,
+        "sentence": verdict.sentence, "cards": summary_cards(inputs), "chains": chains_rows(verdict),
+        "simulated_from": verdict.simulated_from, "diagnosis": verdict.diagnosis,
+        "simulated_source": inputs.acceptance.simulated_source,
+        "simulated_alone": number(1 + sum(rates), 2) if rates else None, "positions": len(rates or []),
+        "checks": [(c.name, _outcome(c.outcome, c.shown), c.detail) for c in verdict.checks],
+        "look_at": verdict.look_at,
+    }
 
 
-def charts_section(inputs: ReportInputs, page: Page) -> Html:
+def charts_section(inputs: ReportInputs, page: Page) -> Section:
     """Every chart: the measured acceptance first, then the training's; why one is missing in its place."""
-    parts: list[object] = []
+    figures = []
     if page.acceptance_figure is not None:
-        parts.append(figure_html(page.acceptance_figure, "acceptance per draft position, measured vs simulated"))
+        figures.append(figure_item(page.acceptance_figure, "acceptance per draft position, measured vs simulated"))
     else:
-        parts.append(missing(f"acceptance chart not drawn: {inputs.acceptance.reason or 'nothing measured'}"))
+        figures.append({"reason": f"acceptance chart not drawn: {inputs.acceptance.reason or 'nothing measured'}"})
     if page.training_figures:
-        parts += [figure_html(f, f"training chart {f.name}") for f in page.training_figures]
+        figures += [figure_item(f, f"training chart {f.name}") for f in page.training_figures]
     else:
-        parts.append(missing(f"training charts not drawn: {inputs.training.reason or 'no training metrics'}"))
-    return join(parts)
+        figures.append({"reason": f"training charts not drawn: {inputs.training.reason or 'no training metrics'}"})
+    return {"figures": figures}
 
 
 def render_page(inputs: ReportInputs, page: Page) -> str:
-    """The whole ``index.html``, its sections in the order of ``SECTIONS``."""
+    """The whole ``index.html``: ``templates/page.html.j2`` with each section's values."""
     name = inputs.output_dir.resolve().name or str(inputs.output_dir)
-    where = f"Run output {inputs.output_dir.resolve()}; report generated {moment(page.generated_at)}."
-    bodies = {
+    sections = {
         "verdict": verdict_section(inputs, run_verdict(inputs)),
         "charts": charts_section(inputs, page),
         "acceptance": acceptance_section(inputs, page),
@@ -719,17 +556,7 @@ def render_page(inputs: ReportInputs, page: Page) -> str:
         "gpu-reset": gpu_reset_section(inputs),
         "settings": settings_section(inputs),
     }
-    nav = tag("nav", join((tag("a", title, href=f"#{key}") for key, title in SECTIONS), " "))
-    sections = join(tag("section", join([tag("h2", title), bodies[key]]), id=key) for key, title in SECTIONS)
-    return (
-        "<!doctype html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
-        f'<meta http-equiv="Content-Security-Policy" content="{esc(CSP)}">\n'
-        '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-        '<link rel="icon" href="data:,">\n'
-        f"<title>{esc(f'EAGLE-3 pipeline report: {name}')}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n"
-        f"<header>{tag('h1', f'EAGLE-3 pipeline report: {name}')}"
-        f"{tag('p', where, class_='muted')}"
-        f"{nav}</header>\n<main>\n{sections}\n</main>\n"
-        f"<footer class=\"muted\">Written by eagle3-pipeline {esc(__version__)} (eagle3-pipeline report).</footer>\n"
-        "</body>\n</html>\n"
+    return ENVIRONMENT.get_template("page.html.j2").render(
+        name=name, csp=CSP, version=__version__, order=SECTIONS, sections=sections,
+        where=f"Run output {inputs.output_dir.resolve()}; report generated {moment(page.generated_at)}.",
     )

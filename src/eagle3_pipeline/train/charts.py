@@ -140,7 +140,7 @@ def write_charts(metrics_path: str | os.PathLike, out_dir: str | os.PathLike) ->
             f"{metrics.path}: no train or eval record to chart "
             f"({metrics.skipped_lines} line(s) that did not parse); has the trainer run a step yet?"
         )
-    figure_class = _figure_class()
+    make_figure = figure_class()
     out = Path(out_dir)
     charts = [
         (LOSS_CHART, _draw_loss),
@@ -149,13 +149,13 @@ def write_charts(metrics_path: str | os.PathLike, out_dir: str | os.PathLike) ->
     ]
     paths = []
     for name, draw in charts:
-        figure = draw(figure_class, metrics)
-        paths.append(_save(figure, out / name))
+        figure = draw(make_figure, metrics)
+        paths.append(save_figure(figure, out / name))
     return paths
 
 
-def _figure_class():
-    """matplotlib's ``Figure`` bound to the Agg canvas (no display, no pyplot state)."""
+def figure_class():
+    """matplotlib's ``Figure`` bound to the Agg canvas (no display, no pyplot state); the report draws with it too."""
     try:
         import matplotlib  # noqa: F401, PLC0415 - the package first, so a missing one fails here
         from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
@@ -171,7 +171,8 @@ def _figure_class():
     return agg_figure
 
 
-def _save(figure, target: Path) -> Path:
+def save_figure(figure, target: Path) -> Path:
+    """Write ``figure`` as a PNG at ``target``, atomically (the report saves its chart with it too)."""
     # The temp file's name ends in .tmp, so the format is given, not guessed from the name.
     return atomic_write(target, lambda tmp: figure.savefig(tmp, format="png", dpi=DPI))
 
@@ -278,7 +279,7 @@ def _run_name(metrics: RunMetrics) -> str:
 
 
 def _position_color(k: int, positions: int):
-    import matplotlib  # noqa: PLC0415 - loaded already by _figure_class
+    import matplotlib  # noqa: PLC0415 - loaded already by figure_class
 
     return matplotlib.colormaps["viridis"](k / max(1, positions - 1) * 0.9)
 

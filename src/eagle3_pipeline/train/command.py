@@ -29,20 +29,13 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from eagle3_pipeline.cli_args import path_str
+from eagle3_pipeline.cli_args import path_str, positive_int
 
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 4
 STOP_FILE = "STOP"
 STOP_FILE_ENV = "EAGLE3_TRAIN_STOP_FILE"  # the workers stop when this file exists
 # Options of the launcher only; everything else is passed to every worker unchanged.
 LAUNCH_OPTIONS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -56,15 +49,15 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "form goes beside it (<name>-speculators)")
     add("--target-model-path", type=path_str,
         help="the target model directory (default: the one named in data_config.json)")
-    add("--draft-vocab-size", type=_positive_int, help="draft vocabulary (default: min(32000, target vocab))")
-    add("--ttt-length", type=_positive_int, default=7, help="training-time-test steps")
-    add("--epochs", type=_positive_int, default=1)
-    add("--max-steps", type=_positive_int, help="stop after this many optimizer steps (the schedule is unchanged)")
+    add("--draft-vocab-size", type=positive_int, help="draft vocabulary (default: min(32000, target vocab))")
+    add("--ttt-length", type=positive_int, default=7, help="training-time-test steps")
+    add("--epochs", type=positive_int, default=1)
+    add("--max-steps", type=positive_int, help="stop after this many optimizer steps (the schedule is unchanged)")
     add("--lr", type=float, default=1e-4, help="peak learning rate")
     add("--warmup-steps", type=int, default=0)
     add("--weight-decay", type=float, default=0.0)
     add("--grad-clip", type=float, default=0.5, help="gradient norm clip (0: none)")
-    add("--batch-tokens", type=_positive_int, help="tokens per packed batch per process (default: by the drafter's "
+    add("--batch-tokens", type=positive_int, help="tokens per packed batch per process (default: by the drafter's "
         "width: 2048 at 4096 and wider, 8192 at 2048, 32768 at 1024 and narrower, where small steps waste the GPU)")
     add("--eval-ratio", type=float, default=0.0, help="share of samples held out for evaluation")
     add("--eval-opening-tokens", type=int, default=128,
@@ -78,15 +71,15 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="auto: bfloat16 (fp32 master weights) on a GPU, float32 on the CPU")
     add("--parallel", default="ddp", choices=("ddp", "fsdp"), help="how several processes share the drafter")
     for name in ("hidden-size", "num-attention-heads", "num-key-value-heads", "intermediate-size"):
-        add(f"--{name}", type=_positive_int, help="drafter shape override (default: the target's)")
+        add(f"--{name}", type=positive_int, help="drafter shape override (default: the target's)")
     add("--no-resume", dest="resume", action="store_false", help="discard the output dir's checkpoints, start over")
     add("--no-tensorboard", dest="tensorboard", action="store_false", help="no TensorBoard event files")
     add("--no-charts", dest="charts", action="store_false", help="no PNG charts")
     add("--check", action="store_true",
         help="check the data, the target and the settings, print a JSON status line, train nothing")
     launch = parser.add_argument_group("processes (torchrun)")
-    launch.add_argument("--nproc-per-node", type=_positive_int, default=1, help="processes (GPUs) on this node")
-    launch.add_argument("--nnodes", type=_positive_int, default=1, help="nodes in the job")
+    launch.add_argument("--nproc-per-node", type=positive_int, default=1, help="processes (GPUs) on this node")
+    launch.add_argument("--nnodes", type=positive_int, default=1, help="nodes in the job")
     launch.add_argument("--node-rank", type=int, default=0, help="this node's index, 0 on the first")
     launch.add_argument("--master-addr", default="127.0.0.1", help="the first node's address (rendezvous)")
     launch.add_argument("--master-port", type=int, default=29500, help="rendezvous port on the first node")
