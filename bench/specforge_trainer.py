@@ -157,7 +157,8 @@ from eagle3_pipeline.evaluate.speculative import load_drafter  # noqa: E402
 from eagle3_pipeline.extract.verify import load_lm_head  # noqa: E402
 from eagle3_pipeline.train import export  # noqa: E402
 from eagle3_pipeline.train.data import DataError, PackedBatch, Sample, TrainData, batches  # noqa: E402
-from eagle3_pipeline.train.model import DrafterConfig, teacher_targets, ttt_loss, ttt_metrics  # noqa: E402
+from eagle3_pipeline.train.loss import teacher_targets, ttt_loss, ttt_metrics  # noqa: E402
+from eagle3_pipeline.train.model import DrafterConfig  # noqa: E402
 from eagle3_pipeline.train.step import StepRunner  # noqa: E402
 from eagle3_pipeline.train.trainer import (  # noqa: E402
     METRICS_FILE,

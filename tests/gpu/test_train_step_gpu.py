@@ -6,13 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3_pipeline.train.model import (
-    DrafterConfig,
-    Eagle3Drafter,
-    fused_ttt_loss,
-    teacher_targets,
-    ttt_loss,
-)
+from eagle3_pipeline.train.loss import fused_ttt_loss, teacher_targets, ttt_loss
+from eagle3_pipeline.train.model import DrafterConfig, Eagle3Drafter
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -56,7 +51,7 @@ def test_fused_bf16_step_matches_the_masked_sdpa_reference(compile):
 
 
 def test_flash_prefix_gradients_match_float32_dense_math():
-    from eagle3_pipeline.train.model import packed_layout, ttt_attention
+    from eagle3_pipeline.train.kernels import packed_layout, ttt_attention
 
     torch.manual_seed(1)
     rows, heads, kv, dim = 256, 8, 2, 64

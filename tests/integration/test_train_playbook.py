@@ -270,6 +270,23 @@ def test_a_draft_vocabulary_larger_than_the_targets_fails_with_the_commands_mess
     assert not (workdir / "jobs").exists() and not (workdir / "drafter-run").exists(), "something was started"
 
 
+def test_the_eagle3_1_variant_is_trained_and_exported_with_sglangs_flags(data_dir, workdir, tmp_path_factory):
+    refused = run_playbook(tmp_path_factory, training_vars(data_dir, workdir, eagle_training_variant="eagle4"))
+    assert refused.status == "failed"
+    assert any("eagle_training_variant" in f["res"].get("msg", "") and "eagle3.1" in f["res"].get("msg", "")
+               for f in refused.failures()), refused.stdout
+
+    run = run_playbook(tmp_path_factory, training_vars(data_dir, workdir, eagle_training_variant="eagle3.1",
+                                                       eagle_training_norm_before_fc=True,
+                                                       eagle_training_max_steps=2))
+
+    assert run.status == "successful", run.stdout
+    config = json.loads((workdir / "drafter-run" / "drafter" / "config.json").read_text())
+    assert (config["fc_norm"], config["norm_output"], config["norm_before_fc"]) == (True, True, True)
+    assert config["eagle3_pipeline"]["variant"] == "eagle3.1"
+    assert not (workdir / "drafter-run" / "drafter-speculators").exists()  # vLLM's form has no EAGLE 3.1
+
+
 def test_a_killed_job_fails_the_play_at_once_and_a_rerun_resumes_from_its_checkpoint(
     data_dir, workdir, tmp_path_factory
 ):

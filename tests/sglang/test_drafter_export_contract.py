@@ -192,6 +192,89 @@ def test_sglang_loads_every_parameter_of_our_export(sglang_runtime, tmp_path, mo
     assert model.model.embed_tokens.weight is target_embed
 
 
+@pytest.mark.parametrize("norm_before_fc", [False, True], ids=["eagle3.1", "eagle3.1+norm_before_fc"])
+def test_sglang_builds_and_loads_our_eagle3_1_export_with_its_norms(sglang_runtime, tmp_path, monkeypatch,
+                                                                    norm_before_fc):
+    """EAGLE 3.1: SGLang reads fc_norm, norm_output (and norm_before_fc) from our config.json, builds the per-aux
+    norms (and the one before fc), and loads each from our file; with our eagle3 export it builds none."""
+    cfg = _drafter_cfg(fc_norm=True, norm_output=True, norm_before_fc=norm_before_fc)
+    state = _random_state(cfg)
+    out = ex.export_sglang(state, cfg, _manifest(_target_dir(tmp_path / "target")), tmp_path / "drafter")
+    model = _build_and_load(out, monkeypatch)
+    assert model.model.norm_output is True and len(model.model.fc_norm) == 3
+    assert (model.model.input_norm is not None) is norm_before_fc
+    params = dict(model.named_parameters())
+    extra = {f"model.fc_norm.{i}.weight": state[f"fc_norm.{i}.weight"] for i in range(3)}
+    if norm_before_fc:
+        extra["model.input_norm.weight"] = state["input_norm.weight"]
+    for name, tensor in extra.items():
+        assert torch.equal(params[name].detach(), tensor), f"{name}: not loaded from our checkpoint"
+    assert _assert_every_param_is_ours(model, state, cfg) == sorted(["model.embed_tokens.weight", *extra])
+
+    plain = ex.export_sglang(_random_state(_drafter_cfg()), _drafter_cfg(),
+                             _manifest(_target_dir(tmp_path / "target")), tmp_path / "plain")
+    model = _build_and_load(plain, monkeypatch)
+    assert model.model.fc_norm is None and model.model.input_norm is None and model.model.norm_output is False
+
+
+MLA = {"q_lora_rank": 16, "kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8}
+# SGLang builds MLA's RoPE on a CPU only with DeepSeek's YaRN (rotary_embedding/factory.py); Kimi-K2.x has it.
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+@pytest.mark.parametrize("variant", [{}, {"fc_norm": True, "norm_output": True}], ids=["eagle3", "eagle3.1"])
+def test_sglang_builds_the_mla_drafter_from_our_export_and_loads_every_weight(sglang_runtime, tmp_path, monkeypatch,
+                                                                             variant):
+    """The MLA layout: SGLang's own Eagle3DeepseekV2ForCausalLM (kimi_k25_eagle3.py) from our config.json, every
+    parameter filled from our file: q_a_proj and kv_a_proj_with_mqa fused into fused_qkv_a_proj_with_mqa,
+    gate/up into gate_up_proj, kv_b_proj split into the absorbed w_kc / w_vc after the load."""
+    import sglang.srt.layers.rotary_embedding.base as rotary_base
+    from safetensors.torch import load_file
+    from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
+    from sglang.srt.models.kimi_k25_eagle3 import Eagle3DeepseekV2ForCausalLM
+    from transformers import AutoConfig
+
+    cfg = _drafter_cfg(layout="mla", num_key_value_heads=HEADS, rope_scaling=YARN, **MLA, **variant)
+    state = _random_state(cfg)
+    man = _manifest(_target_dir(tmp_path / "target", model_type="deepseek_v3"))
+    out = ex.export_sglang(state, cfg, man, tmp_path / "drafter")
+    monkeypatch.setattr(rotary_base, "_is_cpu", True)  # construction only; see the module docstring
+    model = Eagle3DeepseekV2ForCausalLM(AutoConfig.from_pretrained(str(out)))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.fill_(float("nan"))
+    model.load_weights(safetensors_weights_iterator([str(out / ex.WEIGHTS_FILE)]))
+    stored = load_file(out / ex.WEIGHTS_FILE)
+    attn = "model.midlayer.self_attn."
+    ours = {
+        attn + "fused_qkv_a_proj_with_mqa.weight": torch.cat([stored["midlayer.self_attn.q_a_proj.weight"],
+                                                              stored["midlayer.self_attn.kv_a_proj_with_mqa.weight"]]),
+        "model.midlayer.mlp.gate_up_proj.weight": torch.cat([stored["midlayer.mlp.gate_proj.weight"],
+                                                             stored["midlayer.mlp.up_proj.weight"]]),
+        "lm_head.weight": stored["lm_head.weight"],
+    }
+    for name in ("q_a_layernorm", "q_b_proj", "kv_a_layernorm", "kv_b_proj", "o_proj"):
+        ours[attn + name + ".weight"] = stored[f"midlayer.self_attn.{name}.weight"]
+    for name in ("mlp.down_proj", "input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        ours[f"model.midlayer.{name}.weight"] = stored[f"midlayer.{name}.weight"]
+    ours["model.fc.weight"], ours["model.norm.weight"] = stored["fc.weight"], stored["norm.weight"]
+    if variant:
+        ours |= {f"model.fc_norm.{i}.weight": stored[f"fc_norm.{i}.weight"] for i in range(3)}
+    params = dict(model.named_parameters())
+    for name, tensor in ours.items():
+        param = params[name].detach()
+        assert torch.equal(param[: tensor.shape[0]], tensor), f"{name}: not loaded from our checkpoint"
+    assert sorted(set(params) - set(ours)) == ["model.embed_tokens.weight"]  # the target's, at serving
+    assert model.model.norm_output is bool(variant) and (model.model.fc_norm is not None) is bool(variant)
+    nope = MLA["qk_nope_head_dim"]
+    per_head = stored["midlayer.self_attn.kv_b_proj.weight"].view(HEADS, nope + MLA["v_head_dim"], -1)
+    absorbed = model.model.midlayer.self_attn
+    assert torch.equal(absorbed.w_kc, per_head[:, :nope]) and torch.equal(absorbed.w_vc, per_head[:, nope:].mT)
+    hot = model.get_hot_token_id()
+    assert torch.equal(hot, torch.arange(DRAFT) + stored["d2t"])
+
+
 def test_wider_target_exports_embed_tokens_that_sglang_loads(sglang_runtime, tmp_path, monkeypatch):
     """T != H: set_embed keeps the draft's own embedding, so it must come from our file; fc is n x T wide."""
     cfg = _drafter_cfg(target_hidden_size=48, num_aux_hidden_states=4)

@@ -23,7 +23,7 @@ from eagle3_pipeline.evaluate.speculative import load_drafter
 from eagle3_pipeline.train import trainer as tr
 from eagle3_pipeline.train.data import batches, load_batch, open_dataset
 from eagle3_pipeline.train.export import load_export
-from eagle3_pipeline.train.model import acceptance_length
+from eagle3_pipeline.train.loss import acceptance_length
 from eagle3_pipeline.train.vocab import check_mapping
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from eagle3_pipeline.evaluate.rounds import AcceptanceStats, Round, answer_rounds, token_counts
-from eagle3_pipeline.train.model import acceptance_length
+from eagle3_pipeline.train.loss import acceptance_length
 
 # o_0..o_8: o_1..o_4 an easy stretch (the drafter gets the rest of it right from each of them), o_5..o_8 hard.
 EASY_THEN_HARD = [4, 3, 2, 1, 0, 0, 0, 0]

@@ -52,11 +52,12 @@ def random_target(tmp_path_factory, request) -> TargetModel:
         assert target.slots and target.runner.slot_decoder.free_slots == target.runner.slot_decoder.slots
 
 
-def _drafter(draft_vocab: int = 48, seed: int = 1, vocab: int = VOCAB, hidden: int = HIDDEN) -> Eagle3Drafter:
+def _drafter(draft_vocab: int = 48, seed: int = 1, vocab: int = VOCAB, hidden: int = HIDDEN,
+             **flags: bool) -> Eagle3Drafter:
     torch.manual_seed(seed)
     config = DrafterConfig(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
                            intermediate_size=2 * hidden, target_hidden_size=hidden, num_aux_hidden_states=3,
-                           vocab_size=vocab, draft_vocab_size=draft_vocab)
+                           vocab_size=vocab, draft_vocab_size=draft_vocab, **flags)
     # A draft vocabulary of every other token from 3 on: d2t offsets that are not zero.
     t2d = torch.zeros(vocab, dtype=torch.bool)
     chosen = (torch.arange(draft_vocab) * 2 + 3) % vocab if 2 * draft_vocab + 3 <= vocab else torch.arange(draft_vocab)
@@ -131,10 +132,17 @@ def _engine_is_greedy(engine_ids, reference) -> None:
         (at, top)
 
 
-def test_incremental_drafter_reproduces_the_training_forward_row_by_row():
+@pytest.mark.parametrize("flags", [{}, {"fc_norm": True, "norm_output": True, "norm_before_fc": True}],
+                         ids=["eagle3", "eagle3.1+norm_before_fc"])
+def test_incremental_drafter_reproduces_the_training_forward_row_by_row(flags):
     """extend + chain steps with the drafter's KV cache give the TTT forward's logits at every row and step,
-    for a batch of requests each anchored at another row (so each is padded differently)."""
-    drafter = _drafter(draft_vocab=VOCAB)
+    for a batch of requests each anchored at another row (so each is padded differently); for EAGLE 3.1 too,
+    whose steps carry the normed state."""
+    drafter = _drafter(draft_vocab=VOCAB, **flags)
+    with torch.no_grad():  # norm weights away from 1 (an EAGLE 3.1 norm left out or doubled would show)
+        for name, parameter in drafter.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.5, 1.5)
     length, steps = 14, 4
     ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(2))
     aux = torch.randn(1, length, 3 * HIDDEN, generator=torch.Generator().manual_seed(3))
@@ -151,7 +159,8 @@ def test_incremental_drafter_reproduces_the_training_forward_row_by_row():
     every = torch.ones((batch, 1), dtype=torch.bool)
     for step in range(steps):
         want = torch.stack([ttt[step][0, row] for row in anchors])
-        torch.testing.assert_close(drafter.logits(hidden), want, atol=1e-5, rtol=1e-5)
+        with torch.no_grad():
+            torch.testing.assert_close(drafter.logits(hidden), want, atol=1e-5, rtol=1e-5)
         if step + 1 < steps:  # teacher forcing: feed the data's token, as the TTT forward does
             tokens = torch.stack([ids[0, row + 2 + step] for row in anchors])[:, None]
             with torch.no_grad():

@@ -253,3 +253,21 @@ def test_check_counts_every_process_and_refuses_an_incompatible_resume(data_dir,
     assert other.returncode == EXIT_BAD_INPUT and "seed 0 -> 1" in other.stderr and "resume: false" in other.stderr
     fresh = run(args(data_dir, out, "--epochs", "4", "--max-steps", "3", "--seed", "1", "--no-resume", "--check"))
     assert fresh.returncode == 0 and json.loads(fresh.stdout)["resume_step"] is None
+
+
+def test_torchrun_workers_get_the_launchers_settings_flags_included():
+    import argparse
+
+    from eagle3_pipeline.train.command import _worker_argv, configure_parser
+
+    parser = argparse.ArgumentParser()
+    configure_parser(parser)
+    argv = ["--data-dir", "d", "--output-dir", "o", "--variant", "eagle3.1", "--norm-before-fc", "--no-charts",
+            "--nproc-per-node", "2"]
+    worker = _worker_argv(parser.parse_args(argv), parser._actions)  # noqa: SLF001
+    assert worker[worker.index("--variant") + 1] == "eagle3.1"
+    assert worker.count("--norm-before-fc") == 1 and worker.count("--no-charts") == 1
+    assert "--nproc-per-node" not in worker and "True" not in worker and "False" not in worker
+    assert parser.parse_args(worker).norm_before_fc is True  # a worker parses back to the same settings
+    plain = _worker_argv(parser.parse_args(argv[:4]), parser._actions)  # noqa: SLF001
+    assert "--norm-before-fc" not in plain and "--no-charts" not in plain

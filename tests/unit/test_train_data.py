@@ -22,7 +22,7 @@ from eagle3_pipeline.train.data import (
     pack,
     shard,
 )
-from eagle3_pipeline.train.model import positions_from_doc_ids
+from eagle3_pipeline.train.kernels import positions_from_doc_ids
 
 HIDDEN = 4
 AUX_LAYERS = [0, 1, 2]

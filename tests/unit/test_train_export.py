@@ -109,6 +109,32 @@ def test_sglang_config_fields(tmp_path):
     assert (config["rope_theta"], config["max_position_embeddings"], config["torch_dtype"]) == (5e5, 256, "float32")
 
 
+def test_eagle3_1_export_carries_sglangs_flags_and_norm_weights_and_loads_back(tmp_path):
+    from eagle3_pipeline.evaluate.speculative import drafter_config
+
+    cfg = drafter_cfg(fc_norm=True, norm_output=True, norm_before_fc=True)
+    shapes = ex.expected_sglang_tensors(cfg)
+    assert {name: shapes[name] for name in shapes if "norm" in name and not name.startswith("midlayer")} == {
+        "norm.weight": (HIDDEN,), "fc_norm.0.weight": (HIDDEN,), "fc_norm.1.weight": (HIDDEN,),
+        "fc_norm.2.weight": (HIDDEN,), "input_norm.weight": (3 * HIDDEN,)}
+    state = random_state(cfg)
+    out = ex.export_sglang(state, cfg, manifest(), tmp_path / "drafter")
+    config = json.loads((out / ex.CONFIG_FILE).read_text())
+    # SGLang 0.5.23 reads these keys (llama_eagle3.py); an eagle3 export has none of them.
+    assert (config["fc_norm"], config["norm_output"], config["norm_before_fc"]) == (True, True, True)
+    assert config[ex.PROVENANCE_KEY]["variant"] == "eagle3.1"
+    assert not {"fc_norm", "norm_output", "norm_before_fc"} & set(ex.sglang_config(drafter_cfg(), manifest()))
+    loaded, config = ex.load_export(out)
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in state.items())
+    rebuilt = drafter_config(config)  # what the evaluation drafts with
+    assert (rebuilt.fc_norm, rebuilt.norm_output, rebuilt.norm_before_fc) == (True, True, True)
+    without = {name: tensor for name, tensor in state.items() if name != "fc_norm.1.weight"}
+    with pytest.raises(ex.ExportError, match=r"missing: fc_norm\.1\.weight"):
+        ex.export_sglang(without, cfg, manifest(), tmp_path / "again")
+    with pytest.raises(ex.ExportError, match="has no fc_norm, norm_before_fc, norm_output"):
+        ex.export_speculators(state, cfg, manifest(), tmp_path / "spec")
+
+
 def test_speculators_config_fields():
     config = ex.speculators_config(drafter_cfg(), manifest(), speculative_tokens=5)
     assert config["speculators_model_type"] == "eagle3"
@@ -303,3 +329,52 @@ def test_re_export_replaces_both_files(tmp_path):
     loaded, _ = ex.load_export(out)
     assert torch.equal(loaded["lm_head.weight"], state["lm_head.weight"])
     assert sorted(p.name for p in out.iterdir()) == [ex.CONFIG_FILE, ex.WEIGHTS_FILE]
+
+
+def test_remove_export_removes_only_what_this_exporter_wrote(tmp_path):
+    out = ex.export_sglang(random_state(drafter_cfg()), drafter_cfg(), manifest(), tmp_path / "ours")
+    assert ex.remove_export(out) and not out.exists()
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / ex.CONFIG_FILE).write_text('{"architectures": ["LlamaForCausalLMEagle3"]}')
+    (theirs / "notes.txt").write_text("an operator's file")
+    assert not ex.remove_export(theirs) and (theirs / "notes.txt").is_file()
+    assert not ex.remove_export(tmp_path / "absent")
+
+
+MLA = {"q_lora_rank": 8, "kv_lora_rank": 6, "qk_nope_head_dim": 4, "qk_rope_head_dim": 2, "v_head_dim": 3}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+def test_the_mla_layout_exports_sglangs_eagle3_deepseek_v2_and_loads_back(tmp_path):
+    from eagle3_pipeline.evaluate.speculative import drafter_config
+
+    cfg = drafter_cfg(layout="mla", num_key_value_heads=HEADS, rope_scaling=YARN, fc_norm=True, norm_output=True,
+                      **MLA)
+    shapes = ex.expected_sglang_tensors(cfg)
+    attention = {name: shape for name, shape in shapes.items() if ".self_attn." in name}
+    assert attention == {
+        "midlayer.self_attn.q_a_proj.weight": (8, 2 * HIDDEN), "midlayer.self_attn.q_a_layernorm.weight": (8,),
+        "midlayer.self_attn.q_b_proj.weight": (HEADS * 6, 8),
+        "midlayer.self_attn.kv_a_proj_with_mqa.weight": (6 + 2, 2 * HIDDEN),
+        "midlayer.self_attn.kv_a_layernorm.weight": (6,), "midlayer.self_attn.kv_b_proj.weight": (HEADS * 7, 6),
+        "midlayer.self_attn.o_proj.weight": (HIDDEN, HEADS * 3)}
+    state = random_state(cfg)
+    out = ex.export_sglang(state, cfg, manifest(target_model_type="deepseek_v3"), tmp_path / "drafter")
+    config = json.loads((out / ex.CONFIG_FILE).read_text())
+    assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and config["model_type"] == "deepseek_v3"
+    assert {key: config[key] for key in MLA} == MLA and config["rope_interleave"] is True
+    assert config["rope_scaling"] == YARN and "head_dim" not in config and config["fc_norm"] is True
+    assert config[ex.PROVENANCE_KEY]["layout"] == "mla"
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 6]  # deepseek: ours + 1
+    loaded, config = ex.load_export(out)
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in state.items())
+    rebuilt = drafter_config(config)  # the evaluation's drafter
+    assert rebuilt.layout == "mla" and rebuilt.head_dim == 6 and rebuilt.v_head_dim == 3 and rebuilt.fc_norm
+    with pytest.raises(ex.ExportError, match="multi-latent attention: export the SGLang form only"):
+        ex.export_speculators(state, cfg, manifest(), tmp_path / "spec")
+    with pytest.raises(ex.ExportError, match="Eagle3DeepseekV2ForCausalLM has no norm before fc"):
+        ex.sglang_config(drafter_cfg(layout="mla", num_key_value_heads=HEADS, norm_before_fc=True, **MLA), manifest())
+    with pytest.raises(ex.ExportError, match=r"Eagle3DeepseekV2ForCausalLM loads:\n  - missing: midlayer\.self_attn"):
+        ex.check_drafter_tensors({k: v for k, v in state.items() if "kv_b_proj" not in k}, cfg)

@@ -11,22 +11,17 @@ import pytest
 import torch
 from float_rounding import U32, dot_error_bound
 
-from eagle3_pipeline.train.model import (
+from eagle3_pipeline.train.kernels import packed_layout, ttt_attention, ttt_attention_mask
+from eagle3_pipeline.train.loss import (
     STEP_DECAY,
-    DrafterConfig,
-    DrafterConfigError,
-    Eagle3Drafter,
     acceptance_length,
     fused_ttt_loss,
-    packed_layout,
-    rope_inv_freq,
     teacher_targets,
-    ttt_attention,
-    ttt_attention_mask,
     ttt_loss,
     ttt_metrics,
     ttt_metrics_from_argmax,
 )
+from eagle3_pipeline.train.model import DrafterConfig, DrafterConfigError, Eagle3Drafter, rope_inv_freq
 from eagle3_pipeline.train.vocab import build_draft_vocab
 
 SGLANG_EAGLE3 = (Path(__file__).resolve().parents[2] / ".venv-sglang/lib/python3.11/site-packages/sglang/srt/models"
@@ -100,6 +95,16 @@ def test_state_dict_names_and_shapes_are_sglangs():
     assert trainable == set(SGLANG_NAMES) - {"d2t", "t2d"}
 
 
+def test_eagle3_1_adds_sglangs_fc_norm_and_input_norm_weights():
+    state = tiny_drafter(variant="eagle3.1", norm_before_fc=True).state_dict()
+    state.pop("embed_tokens.weight")
+    extra = {name: tuple(t.shape) for name, t in state.items() if name not in SGLANG_NAMES}
+    assert extra == {"fc_norm.0.weight": (H,), "fc_norm.1.weight": (H,), "fc_norm.2.weight": (H,),
+                     "input_norm.weight": (N_AUX * H,)}
+    with pytest.raises(ValueError, match="drafter variant 'eagle4'"):
+        tiny_drafter(variant="eagle4")
+
+
 @pytest.mark.skipif(not SGLANG_EAGLE3.is_file(), reason="no .venv-sglang (make test creates it)")
 def test_the_pinned_sglang_still_maps_names_as_listed_here():
     text = SGLANG_EAGLE3.read_text()
@@ -107,7 +112,12 @@ def test_the_pinned_sglang_still_maps_names_as_listed_here():
                     '(".qkv_proj", ".v_proj", "v")', '(".gate_up_proj", ".gate_proj", 0)',
                     '(".gate_up_proj", ".up_proj", 1)', 'if "d2t" in name', 'if "t2d" in name',
                     "self.hidden_norm = RMSNorm", "hidden_size = 2 * self.hidden_size if self.is_input_layer",
-                    "torch.cat([embeds, hidden_states], dim=-1)"):
+                    "torch.cat([embeds, hidden_states], dim=-1)",
+                    # EAGLE 3.1 (train/variants.py): the flags' keys, the norms' names, what norm_output feeds on.
+                    'getattr(config, "fc_norm", None)', '"aux_norm_low": "fc_norm.0"',
+                    'self.norm_output = getattr(config, "norm_output", False)',
+                    'eagle_config.get("norm_before_fc"', "self.input_norm = RMSNorm",
+                    "aux = hidden_states_to_logits if self.norm_output else hidden_states_to_aux"):
         assert mapping in text, mapping
 
 
@@ -185,6 +195,17 @@ def reference_ttt(model: Eagle3Drafter, input_ids, aux, doc_ids, positions, step
     layer, attn = model.midlayer, model.midlayer.self_attn
     batch, length = input_ids.shape
     group = attn.heads // attn.kv_heads
+    eps = model.config.rms_norm_eps
+
+    def plain_rms(x, weight):
+        return weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    # SGLang's LlamaModel.forward: input_norm over the concatenation, then fc_norm per aux chunk, then fc.
+    if model.config.norm_before_fc:
+        aux = plain_rms(aux, model.input_norm.weight)
+    if model.config.fc_norm:
+        aux = torch.cat([plain_rms(chunk, norm.weight) for norm, chunk in zip(model.fc_norm, aux.chunk(N_AUX, -1))],
+                        dim=-1)
     hidden = model.fc(aux)
     keys, values, logits = [], [], []  # keys[i][b][t]: [kv_heads, hd] of step i, row t
     for step in range(steps):
@@ -214,13 +235,29 @@ def reference_ttt(model: Eagle3Drafter, input_ids, aux, doc_ids, positions, step
                     vs = [values[0][b, j, g] for j in prefix] + [values[i][b, t, g] for i in range(1, step + 1)]
                     weights = torch.softmax(torch.stack(ks) @ q[b, t, h] / math.sqrt(attn.head_dim), dim=0)
                     out[b, t, h] = weights @ torch.stack(vs)
-        hidden = layer.finish(hidden, out.reshape(batch, length, -1))
-        logits.append(model.logits(hidden))
+        out = layer.finish(hidden, out.reshape(batch, length, -1))
+        normed = plain_rms(out, model.norm.weight)
+        logits.append(model.lm_head(normed))  # SGLang's logits read the normed state in both variants
+        hidden = normed if model.config.norm_output else out  # norm_output: the next step reads it too
     return logits
 
 
-def test_forward_ttt_equals_a_plain_per_step_computation():
-    model = tiny_drafter(seed=1).double()
+VARIANTS = [{}, {"variant": "eagle3.1"}, {"variant": "eagle3.1", "norm_before_fc": True}]
+
+
+def with_random_norms(model: Eagle3Drafter) -> Eagle3Drafter:
+    """The variant's norm weights away from 1, so that a norm left out or applied twice shows."""
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.startswith(("fc_norm.", "input_norm.", "norm.")):
+                param.copy_(0.5 + torch.rand(param.shape, generator=generator, dtype=param.dtype))
+    return model
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=["eagle3", "eagle3.1", "eagle3.1+norm_before_fc"])
+def test_forward_ttt_equals_a_plain_per_step_computation(variant):
+    model = with_random_norms(tiny_drafter(seed=1, **variant).double())
     generator = torch.Generator().manual_seed(2)
     input_ids = torch.randint(0, V, (2, 7), generator=generator)
     aux = torch.randn(2, 7, N_AUX * H, generator=generator, dtype=torch.float64)
@@ -358,8 +395,9 @@ def packed_example(seed: int = 2):
     return input_ids, aux, doc_ids, last_hidden, target_head
 
 
-def test_fused_forward_equals_the_masked_sdpa_reference_with_packed_samples():
-    model = tiny_drafter(seed=1).double()
+@pytest.mark.parametrize("variant", VARIANTS, ids=["eagle3", "eagle3.1", "eagle3.1+norm_before_fc"])
+def test_fused_forward_equals_the_masked_sdpa_reference_with_packed_samples(variant):
+    model = with_random_norms(tiny_drafter(seed=1, **variant).double())
     input_ids, aux, doc_ids, _, _ = packed_example()
     with torch.no_grad():
         reference = model.forward_ttt(input_ids, aux, None, 4, doc_ids)
@@ -391,8 +429,9 @@ def float32_soft_ce_error_bounds(step_logits, teacher, step_losses: torch.Tensor
     return torch.tensor(bounds, dtype=torch.float64)
 
 
-def test_fused_loss_and_gradients_equal_the_reference():
-    model = tiny_drafter(seed=1).double()
+@pytest.mark.parametrize("variant", VARIANTS[:2], ids=["eagle3", "eagle3.1"])
+def test_fused_loss_and_gradients_equal_the_reference(variant):
+    model = with_random_norms(tiny_drafter(seed=1, **variant).double())
     input_ids, aux, doc_ids, last_hidden, target_head = packed_example()
     teacher = teacher_targets(last_hidden, target_head, model.t2d, model.d2t, torch.ones(2, 9), doc_ids)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -14,7 +14,7 @@ from eagle3_pipeline.extract.convert import ConvertConfig, convert_storage
 from eagle3_pipeline.train import export as ex
 from eagle3_pipeline.train import trainer as tr
 from eagle3_pipeline.train.data import DataError
-from eagle3_pipeline.train.model import DrafterConfig, Eagle3Drafter
+from eagle3_pipeline.train.model import DrafterConfig, DrafterConfigError, Eagle3Drafter
 from eagle3_pipeline.train.vocab import VocabError
 
 transformers = pytest.importorskip("transformers")
@@ -110,6 +110,70 @@ def test_export_loads_back_and_gives_the_same_logits(data_dir, tmp_path):
     with torch.no_grad():
         for a, b in zip(exported.forward_ttt(ids, aux, ttt_length=3), trained.forward_ttt(ids, aux, ttt_length=3)):
             assert torch.equal(a, b)
+
+
+def test_an_eagle3_1_drafter_trains_exports_for_sglang_and_drafts_as_it_trained(data_dir, tmp_path):
+    from eagle3_pipeline.evaluate.speculative import load_drafter
+
+    tr.train(config(data_dir, tmp_path, max_steps=2))  # an eagle3 drafter first: both forms written
+    speculators = tmp_path / "drafter-speculators"
+    assert (speculators / ex.CONFIG_FILE).is_file()
+    result = tr.train(config(data_dir, tmp_path, max_steps=3, variant="eagle3.1", resume=False))
+    config_json = json.loads((tmp_path / "drafter" / ex.CONFIG_FILE).read_text())
+    assert (config_json["fc_norm"], config_json["norm_output"]) == (True, True)
+    assert "norm_before_fc" not in config_json and config_json[ex.PROVENANCE_KEY]["variant"] == "eagle3.1"
+    # vLLM's speculators form has no EAGLE 3.1 norms: not written, and the result says why.
+    assert result["speculators_dir"] is None and "EAGLE 3.1" in result["speculators_note"]
+    # The eagle3 run's speculators form is gone: it would have been served as this drafter.
+    assert "was removed" in result["speculators_note"] and not speculators.exists()
+    embed = torch.randn(VOCAB, HIDDEN)
+    drafter, _ = load_drafter(tmp_path / "drafter", embed)  # what the evaluation drafts with
+    ckpt = tr.load_checkpoint(tmp_path / "checkpoints" / "step-3")[1]
+    trained = Eagle3Drafter(drafter.config, ckpt["d2t"], ckpt["t2d"])
+    trained.load_state_dict(ckpt, strict=False)
+    trained.load_target_embeddings(embed)
+    assert drafter.config.fc_norm and drafter.config.norm_output and len(drafter.fc_norm) == 3
+    ids, aux = torch.randint(0, VOCAB, (1, 10)), torch.randn(1, 10, 3 * HIDDEN)
+    with torch.no_grad():
+        for a, b in zip(drafter.forward_ttt(ids, aux, ttt_length=3), trained.forward_ttt(ids, aux, ttt_length=3)):
+            assert torch.equal(a, b)
+    # Another variant is another drafter: its checkpoints are not resumed, and the message says what changed.
+    with pytest.raises(tr.TrainConfigError, match="variant 'eagle3.1' -> 'eagle3'"):
+        tr.train(config(data_dir, tmp_path, max_steps=3))
+    again = tr.train(config(data_dir, tmp_path, max_steps=3, resume=False))
+    assert again["steps"] == 3 and "fc_norm" not in json.loads((tmp_path / "drafter" / ex.CONFIG_FILE).read_text())
+
+
+@pytest.fixture(scope="module")
+def deepseek_data_dir(tmp_path_factory):
+    target = build_target(tmp_path_factory.mktemp("deepseek-v3") / "target", deepseek=True)
+    # SGLang captures a DeepSeek target's layer outputs from layer 1 on (serve/sglang_command.py).
+    return build_data(tmp_path_factory.mktemp("deepseek-extracted"), *target, aux=[1, 2, 3])
+
+
+def test_a_deepseek_v3_target_trains_the_mla_drafter_that_sglang_serves_for_kimi(deepseek_data_dir, tmp_path):
+    from eagle3_pipeline.evaluate.speculative import load_drafter
+
+    result = tr.train(config(deepseek_data_dir, tmp_path, max_steps=3, variant="eagle3.1"))
+    config_json = json.loads((tmp_path / "drafter" / ex.CONFIG_FILE).read_text())
+    assert config_json["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and config_json["kv_lora_rank"] == 8
+    assert config_json["rope_scaling"]["rope_type"] == "yarn" and config_json["fc_norm"] is True
+    assert config_json["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]  # DeepSeek's: ours + 1
+    assert result["speculators_dir"] is None and "multi-latent attention" in result["speculators_note"]
+    embed = torch.randn(VOCAB, HIDDEN)
+    drafter, _ = load_drafter(tmp_path / "drafter", embed)
+    assert drafter.config.layout == "mla" and drafter.config.q_lora_rank == 16
+    ckpt = tr.load_checkpoint(tmp_path / "checkpoints" / "step-3")[1]
+    trained = Eagle3Drafter(drafter.config, ckpt["d2t"], ckpt["t2d"])
+    trained.load_state_dict(ckpt, strict=False)
+    trained.load_target_embeddings(embed)
+    ids, aux = torch.randint(0, VOCAB, (1, 10)), torch.randn(1, 10, 3 * HIDDEN)
+    with torch.no_grad():
+        for a, b in zip(drafter.forward_ttt(ids, aux, ttt_length=3), trained.forward_ttt(ids, aux, ttt_length=3)):
+            assert torch.equal(a, b)
+    # A Llama drafter cannot follow this target's YaRN: refused by name before anything runs.
+    with pytest.raises(DrafterConfigError, match="rope type 'yarn' is not supported by the llama layout"):
+        tr.train(config(deepseek_data_dir, tmp_path, max_steps=3, variant="eagle3.1", layout="llama"))
 
 
 def _cfg_defaults(cfg):

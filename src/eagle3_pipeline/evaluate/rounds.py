@@ -148,7 +148,7 @@ def answer_rounds(leads: Sequence[int], length: int, chain: int, max_new_tokens:
 def token_counts(leads: Sequence[int], length: int, steps: int) -> tuple[list[int], list[int]]:
     """Per draft step k: (hits, tried) with every token o_i (i = 1..length-1) as a round's first draft, a draft
     tried when the chain was right before it and its token exists: the conditional acc_k of the training's
-    metrics (``train.model.ttt_metrics_from_argmax``) over the same tokens."""
+    metrics (``train.loss.ttt_metrics_from_argmax``) over the same tokens."""
     hits, tried = [0] * steps, [0] * steps
     for i in range(1, length):
         lead = int(leads[i - 1])

@@ -61,7 +61,8 @@ import torch.nn.functional as F
 
 from eagle3_pipeline.evaluate.rounds import AcceptanceStats, Round, answer_rounds, token_counts
 from eagle3_pipeline.train.export import DrafterShape, load_export
-from eagle3_pipeline.train.model import DrafterConfig, Eagle3Drafter, rope_cos_sin
+from eagle3_pipeline.train.kernels import rope_cos_sin
+from eagle3_pipeline.train.model import DrafterConfig, Eagle3Drafter
 
 # Prompt tokens (padded) per batch forward of the reference decode and per prefill: bounds the
 # activations and KV cache a batch holds at once.
@@ -363,7 +364,7 @@ def drafter_config(config: dict) -> DrafterConfig:
         num_aux_hidden_states=len(aux) if aux else shape.num_aux_hidden_states, vocab_size=shape.vocab_size,
         draft_vocab_size=shape.draft_vocab_size, rms_norm_eps=shape.rms_norm_eps, rope_theta=shape.rope_theta,
         rope_scaling=shape.rope_scaling, max_position_embeddings=shape.max_position_embeddings,
-        hidden_act=config.get("hidden_act", "silu"),
+        hidden_act=config.get("hidden_act", "silu"), **shape.variant_flags, **shape.layout_fields,
     )  # fmt: skip
 
 
@@ -419,7 +420,8 @@ class EagleProposer:
 
     def _layer(self, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
                valid: torch.Tensor) -> torch.Tensor:
-        """One pass of the midlayer over n rows per request (hidden [B, n, H], tokens, positions and valid [B, n]).
+        """One pass of the midlayer over n rows per request (hidden [B, n, H], tokens, positions and valid [B, n]);
+        what each row carries to the next step (``Eagle3Drafter.carry``).
 
         Each row attends to its request's valid cached keys and causally to the valid new rows before it (and
         always to itself); the rows' keys are appended to the cache, marked by ``valid``.
@@ -439,10 +441,10 @@ class EagleProposer:
         causal = index[None, :] <= query  # [n, L]
         mask = (key_valid[:, None, :] & causal[None]) | (index[None, :] == query)[None]  # [B, n, L]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None],
-                                             enable_gqa=attn.kv_heads != attn.heads)
-        out = out.transpose(1, 2).reshape(hidden.shape[0], rows, attn.heads * attn.head_dim)
+                                             enable_gqa=attn.kv_heads != attn.heads, scale=attn.scale)
+        out = out.transpose(1, 2).reshape(hidden.shape[0], rows, attn.out_width)
         self.keys, self.values, self.key_valid = keys, values, key_valid
-        return layer.finish(hidden, out)
+        return drafter.carry(layer.finish(hidden, out))
 
     @torch.inference_mode()
     def extend(self, aux: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
@@ -450,7 +452,7 @@ class EagleProposer:
         """Rows of verified positions: aux [B, n, n_aux*H_t] of each with the token after it [B, n] at positions
         [B, n]; ``valid`` [B, n] says which rows a request really has (the rest is padding)."""
         fc = self.drafter.fc.weight
-        hidden = self.drafter.fc(aux.to(device=fc.device, dtype=fc.dtype))  # [B, n, H]
+        hidden = self.drafter.fuse_aux(aux.to(device=fc.device, dtype=fc.dtype))  # [B, n, H]
         valid = valid.to(fc.device)
         out = self._layer(hidden, token_ids.to(fc.device), positions.to(fc.device), valid)
         has = valid.any(dim=1)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from eagle3_pipeline.train.model import acceptance_length
+from eagle3_pipeline.train.loss import acceptance_length
 
 MIN_ROUNDS = 30
 Z_99 = 2.5758  # two-sided 99 %

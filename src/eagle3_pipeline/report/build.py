@@ -34,7 +34,7 @@ REPORT_DIR = "report"
 INDEX_FILE = "index.html"
 STATE_FILE = "report.json"
 # Raise when the page's content changes, so that reports written by older code are redone.
-RENDER_VERSION = 2
+RENDER_VERSION = 3
 
 
 @dataclass

@@ -34,6 +34,7 @@ from eagle3_pipeline.report.checks import FAIL, FAILED, PASS, PASSED, RunVerdict
 from eagle3_pipeline.report.figures import Figure
 from eagle3_pipeline.report.inputs import GpuResetLog, ReportInputs
 from eagle3_pipeline.serve.sglang_command import DEFAULT_SPECULATIVE_STEPS, speculative_launch_argv
+from eagle3_pipeline.train.variants import flags_of, variant_name
 
 # Where the serving command listens (SGLang's default port).
 SERVING_HOST, SERVING_PORT = "127.0.0.1", 30000
@@ -461,6 +462,7 @@ def drafter_section(inputs: ReportInputs) -> Section:
         rows = [
             ("directory", Code(drafter.directory)),
             ("architecture", as_text(config.get("architectures", "-"))),
+            ("variant (SGLang's flags)", _variant(config)),
             ("draft vocabulary", number(config.get("draft_vocab_size"))),
             ("target hidden size", number(config.get("target_hidden_size"))),
             ("aux layers it reads", as_text(eagle.get("eagle_aux_hidden_state_layer_ids", "-"))),
@@ -468,6 +470,13 @@ def drafter_section(inputs: ReportInputs) -> Section:
         ]
     return {"reason": drafter.reason or "no drafter", "rows": rows, "command": shlex.join(serving_argv(inputs)),
             "target_known": inputs.target_model_path is not None}
+
+
+def _variant(config: dict) -> str:
+    """eagle3 or eagle3.1, with the EAGLE 3.1 flags the config sets (train/variants.py)."""
+    flags = flags_of(config)
+    set_flags = [key for key, value in sorted(flags.items()) if value]
+    return variant_name(flags) + (f" ({', '.join(set_flags)})" if set_flags else "")
 
 
 def _chain_of(inputs: ReportInputs) -> str:

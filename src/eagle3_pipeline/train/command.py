@@ -30,6 +30,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from eagle3_pipeline.cli_args import path_str, positive_int
+from eagle3_pipeline.train.variants import DEFAULT_VARIANT, VARIANTS
 
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 4
 STOP_FILE = "STOP"
@@ -51,6 +52,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="the target model directory (default: the one named in data_config.json)")
     add("--draft-vocab-size", type=positive_int, help="draft vocabulary (default: min(32000, target vocab))")
     add("--ttt-length", type=positive_int, default=7, help="training-time-test steps")
+    add("--variant", choices=tuple(VARIANTS), default=DEFAULT_VARIANT,
+        help="the drafter: eagle3, or eagle3.1 (an RMSNorm per aux state before fc, and the next draft step reading "
+        "the normed state; SGLang's fc_norm and norm_output)")
+    add("--norm-before-fc", action="store_true", help="one RMSNorm over the concatenated aux states before fc")
+    add("--layout", choices=("auto", "llama", "mla"), default="auto",
+        help="the drafter's attention: auto (multi-latent attention for an MLA target such as Kimi-K2.x or "
+        "DeepSeek-V3, served as SGLang's Eagle3DeepseekV2ForCausalLM; else Llama's), llama or mla")
     add("--epochs", type=positive_int, default=1)
     add("--max-steps", type=positive_int, help="stop after this many optimizer steps (the schedule is unchanged)")
     add("--lr", type=float, default=1e-4, help="peak learning rate")
@@ -106,6 +114,9 @@ def _worker_argv(args: argparse.Namespace, parser_actions: list[argparse.Action]
         flag = action.option_strings[0]
         if isinstance(action, argparse._StoreFalseAction):  # noqa: SLF001 - argparse has no public name
             if value is False:
+                argv.append(flag)
+        elif isinstance(action, argparse._StoreTrueAction):  # noqa: SLF001
+            if value is True:
                 argv.append(flag)
         elif value is not None:
             argv += [flag, str(value)]

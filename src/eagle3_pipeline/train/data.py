@@ -262,7 +262,7 @@ def opening_answers(opening: torch.Tensor, doc_ids: torch.Tensor, leads: torch.T
     """Per packed sample with tokens in ``opening`` (``opening_mask``: o_1..o_{L-1} of its first answer):
     (``leads`` of the rows whose round proposes each of them, L): the input of ``evaluate.rounds.answer_rounds``.
 
-    ``leads`` [N]: per row, drafts right in a row from its step 0 (``train.model.TTTMetrics.leads`` of a forward
+    ``leads`` [N]: per row, drafts right in a row from its step 0 (``train.loss.TTTMetrics.leads`` of a forward
     scored over ``opening``). The round proposing the token at position s drafts from row s - 2 (its aux state
     paired with the token at s - 1), which is in the same sample: a prompt precedes every answer.
     """

@@ -50,7 +50,12 @@ post_attention_layernorm}.weight``
 ``d2t``                                     [D]                 int64
 ``t2d``                                     [V]                 bool
 ``embed_tokens.weight`` (only if T != H)    [V, H]              float
+``fc_norm.{i}.weight`` (EAGLE 3.1)          [T] per aux layer   float
+``input_norm.weight`` (``norm_before_fc``)  [n*T]               float
 ==========================================  ==================  ======
+
+The EAGLE 3.1 flags (``fc_norm``, ``norm_before_fc``, ``norm_output``) are written at the top
+level of config.json when set; ``train/variants.py`` says what SGLang does with each.
 
 Aux layer ids (``eagle_config.eagle_aux_hidden_state_layer_ids``)
 -------------------------------------------------------------------
@@ -103,6 +108,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,11 +121,14 @@ from eagle3_pipeline.atomic import atomic_write, atomic_write_text
 from eagle3_pipeline.capture.layers import AUX_LAYER_CONVENTION, check_aux_layers
 from eagle3_pipeline.capture.writer import save_safetensors
 from eagle3_pipeline.serve.sglang_command import LAYER_ID_CONVENTIONS, SGLANG_VERSION, sglang_layer_ids
+from eagle3_pipeline.train.variants import extra_tensors, flags_of, sglang_keys, variant_name
 from eagle3_pipeline.train.vocab import VocabError, check_mapping
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
+SGLANG_MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"  # srt/models/kimi_k25_eagle3.py: the MLA layout
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 SPECULATORS_AUX_COUNT = 3  # vLLM's Eagle3 fc is target_hidden_size * 3 wide
 PROVENANCE_KEY = "eagle3_pipeline"
@@ -152,6 +161,10 @@ class DrafterShape:
     rope_scaling: dict | None
     max_position_embeddings: int
     dtype: str  # of every float tensor in the export
+    flags: tuple[tuple[str, bool], ...] = ()  # EAGLE 3.1's (train/variants.py), as (key, value) pairs
+    layout: str = "llama"  # the attention: llama, or mla (train/model_mla.py)
+    mla: tuple[tuple[str, int], ...] = ()  # the MLA sizes (MLA_FIELDS), as (key, value) pairs
+    rope_interleave: bool = True  # MLA: RoPE on pairs (2i, 2i+1)
 
     @classmethod
     def from_config(cls, cfg: Mapping) -> DrafterShape:
@@ -173,15 +186,20 @@ class DrafterShape:
         if n_aux is None:
             n_aux = len(cfg["aux_layers"]) if cfg.get("aux_layers") else 3
         dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16").removeprefix("torch.")
+        layout = str(cfg.get("layout") or ("mla" if cfg.get("kv_lora_rank") else "llama"))
+        mla = tuple((key, int(cfg.get(key) or 0)) for key in MLA_FIELDS) if layout == "mla" else ()
+        head_dim = (dict(mla)["qk_nope_head_dim"] + dict(mla)["qk_rope_head_dim"] if mla
+                    else int(cfg.get("head_dim") or (hidden // heads if heads else 0)))
         shape = cls(
             hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
-            head_dim=int(cfg.get("head_dim") or (hidden // heads if heads else 0)),
+            head_dim=head_dim,
             intermediate_size=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]),
             draft_vocab_size=int(cfg["draft_vocab_size"]),
             target_hidden_size=int(cfg.get("target_hidden_size") or hidden), num_aux_hidden_states=int(n_aux),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(cfg.get("rope_theta", 10000.0)),
             rope_scaling=cfg.get("rope_scaling"), max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            dtype=dtype,
+            dtype=dtype, flags=tuple(sorted(flags_of(cfg).items())), layout=layout, mla=mla,
+            rope_interleave=bool(cfg.get("rope_interleave", True)),
         )  # fmt: skip
         shape._check(cfg)
         return shape
@@ -210,8 +228,33 @@ class DrafterShape:
                             "hidden state as the residual; train with norm_before_residual false")
         if cfg.get("tie_word_embeddings"):
             problems.append("tie_word_embeddings is true: the drafter's lm_head [D, H] is its own weight")
+        if self.layout not in ("llama", "mla"):
+            problems.append(f"layout {self.layout!r}: llama or mla")
+        if self.layout == "mla":
+            problems += [f"the mla layout needs {key}" for key, value in self.mla if value <= 0]
+            if self.num_key_value_heads != self.num_attention_heads:
+                problems.append("the mla layout has a key and a value per head: num_key_value_heads must be "
+                                "num_attention_heads")
+            if self.variant_flags.get("norm_before_fc"):
+                problems.append("norm_before_fc: SGLang's Eagle3DeepseekV2ForCausalLM has no norm before fc (it "
+                                "would skip input_norm.weight silently); train the mla layout without it")
         if problems:
             raise ExportError("drafter config: " + "; ".join(problems))
+
+    @property
+    def mla_sizes(self) -> dict[str, int]:
+        """The MLA sizes (empty for the llama layout)."""
+        return dict(self.mla)
+
+    @property
+    def layout_fields(self) -> dict:
+        """The layout and its sizes, as ``DrafterConfig`` takes them."""
+        return {"layout": self.layout, **self.mla_sizes, "rope_interleave": self.rope_interleave}
+
+    @property
+    def variant_flags(self) -> dict[str, bool]:
+        """fc_norm, norm_before_fc, norm_output: what the drafter adds to the EAGLE-3 layout."""
+        return dict(self.flags)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -234,13 +277,8 @@ def expected_sglang_tensors(cfg: Mapping | DrafterShape) -> dict[str, tuple[int,
     Names are the checkpoint's (``midlayer.*``), in the order they are written.
     """
     s = _shape_of(cfg)
-    h, q, kv, inter = s.hidden_size, s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim, \
-        s.intermediate_size
-    tensors = {
-        "midlayer.self_attn.q_proj.weight": (q, 2 * h),  # input: [input_layernorm(embeds); hidden_norm(hidden)]
-        "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
-        "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
-        "midlayer.self_attn.o_proj.weight": (h, q),
+    h, inter = s.hidden_size, s.intermediate_size
+    tensors = _attention_tensors(s) | {
         "midlayer.mlp.gate_proj.weight": (inter, h),
         "midlayer.mlp.up_proj.weight": (inter, h),
         "midlayer.mlp.down_proj.weight": (h, inter),
@@ -253,9 +291,34 @@ def expected_sglang_tensors(cfg: Mapping | DrafterShape) -> dict[str, tuple[int,
         "d2t": (s.draft_vocab_size,),
         "t2d": (s.vocab_size,),
     }
+    tensors.update(extra_tensors(s.variant_flags, s.num_aux_hidden_states, s.target_hidden_size))
     if s.needs_embed_tokens:
         tensors["embed_tokens.weight"] = (s.vocab_size, h)
     return tensors
+
+
+def _attention_tensors(s: DrafterShape) -> dict[str, tuple[int, ...]]:
+    """The attention's tensors: q/k/v/o (llama), or the MLA projections (train/model_mla.py's docstring)."""
+    h = s.hidden_size
+    if s.layout == "mla":
+        m, heads = s.mla_sizes, s.num_attention_heads
+        return {  # input: [input_layernorm(embeds); hidden_norm(hidden)], 2H
+            "midlayer.self_attn.q_a_proj.weight": (m["q_lora_rank"], 2 * h),
+            "midlayer.self_attn.q_a_layernorm.weight": (m["q_lora_rank"],),
+            "midlayer.self_attn.q_b_proj.weight": (heads * s.head_dim, m["q_lora_rank"]),
+            "midlayer.self_attn.kv_a_proj_with_mqa.weight": (m["kv_lora_rank"] + m["qk_rope_head_dim"], 2 * h),
+            "midlayer.self_attn.kv_a_layernorm.weight": (m["kv_lora_rank"],),
+            "midlayer.self_attn.kv_b_proj.weight": (heads * (m["qk_nope_head_dim"] + m["v_head_dim"]),
+                                                    m["kv_lora_rank"]),
+            "midlayer.self_attn.o_proj.weight": (h, heads * m["v_head_dim"]),
+        }
+    q, kv = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
+    return {
+        "midlayer.self_attn.q_proj.weight": (q, 2 * h),  # input: [input_layernorm(embeds); hidden_norm(hidden)]
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.o_proj.weight": (h, q),
+    }
 
 
 def expected_speculators_tensors(cfg: Mapping | DrafterShape) -> dict[str, tuple[int, ...]]:
@@ -328,7 +391,8 @@ def check_drafter_tensors(state_dict: Mapping[str, torch.Tensor], cfg: Mapping |
         except VocabError as exc:
             problems.append(f"d2t/t2d: {exc}")
     if problems:
-        raise ExportError("drafter weights do not match what SGLang's LlamaForCausalLMEagle3 loads:\n  - "
+        architecture = SGLANG_MLA_ARCHITECTURE if s.layout == "mla" else SGLANG_ARCHITECTURE
+        raise ExportError(f"drafter weights do not match what SGLang's {architecture} loads:\n  - "
                           + "\n  - ".join(problems))
     return out
 
@@ -437,13 +501,22 @@ def sglang_config(drafter_cfg: Mapping, manifest: Mapping, target_model_type_ove
         raise ExportError(f"the data was captured by SGLang with layer ids {list(engine_ids)}, but aux_layers {aux} "
                           f"of a {model_type} target give {ids}: the manifest's model_type or layers are wrong")
     return {
-        "architectures": [SGLANG_ARCHITECTURE],
-        **_layer_config(shape),
+        "architectures": [SGLANG_MLA_ARCHITECTURE if shape.layout == "mla" else SGLANG_ARCHITECTURE],
+        **(_mla_config(shape) if shape.layout == "mla" else _layer_config(shape)),
         "draft_vocab_size": shape.draft_vocab_size,
         "target_hidden_size": shape.target_hidden_size,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
-        PROVENANCE_KEY: _provenance(manifest, aux, model_type, "sglang"),
+        **sglang_keys(shape.variant_flags),
+        PROVENANCE_KEY: {**_provenance(manifest, aux, model_type, "sglang"),
+                         "variant": variant_name(shape.variant_flags), "layout": shape.layout},
     }
+
+
+def _mla_config(shape: DrafterShape) -> dict:
+    """The keys of the MLA layout: a DeepSeek-V3 config (what transformers parses and SGLang's
+    ``Eagle3MLADecoderLayer`` reads), its head_dim left to the config class (q . k spans d_nope + d_rope)."""
+    layer = {key: value for key, value in _layer_config(shape).items() if key != "head_dim"}
+    return {**layer, "model_type": "deepseek_v3", **shape.mla_sizes, "rope_interleave": shape.rope_interleave}
 
 
 def speculators_config(drafter_cfg: Mapping, manifest: Mapping, speculative_tokens: int = 3,
@@ -456,6 +529,13 @@ def speculators_config(drafter_cfg: Mapping, manifest: Mapping, speculative_toke
                           f"(fc is target_hidden_size * 3 wide); this one has {len(aux)}: export the SGLang form only")
     if int(speculative_tokens) < 1:
         raise ExportError(f"speculative_tokens {speculative_tokens} must be >= 1")
+    if shape.layout == "mla":
+        raise ExportError("the speculators/vLLM Eagle3 drafter has Llama attention, not this drafter's multi-latent "
+                          "attention: export the SGLang form only")
+    if any(shape.variant_flags.values()):
+        set_flags = ", ".join(key for key, value in sorted(shape.variant_flags.items()) if value)
+        raise ExportError(f"the speculators/vLLM Eagle3 drafter has no {set_flags} (EAGLE 3.1): export the SGLang "
+                          "form only")
     model_type = target_model_type(manifest, target_model_type_override)
     try:
         if manifest.get("num_hidden_layers") is not None:
@@ -530,6 +610,21 @@ def export_speculators(state_dict: Mapping[str, torch.Tensor], drafter_cfg: Mapp
     return _write(Path(out_dir), {_to_speculators_name(k): v for k, v in tensors.items()}, config)
 
 
+def remove_export(out_dir: str | os.PathLike) -> bool:
+    """Remove a directory this exporter wrote (its config.json names this project as producer, or it holds only
+    an incomplete export's files); False when there is none. Anything else is left alone."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return False
+    try:
+        ours = PROVENANCE_KEY in json.loads((out_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        ours = {p.name for p in out_dir.iterdir()} <= {WEIGHTS_FILE}
+    if ours:
+        shutil.rmtree(out_dir)
+    return ours
+
+
 def _shape_from_export(config: Mapping, where: Path) -> tuple[str, DrafterShape]:
     if config.get("speculators_model_type") == "eagle3":
         layer = dict(config.get("transformer_layer_config") or {})
@@ -538,10 +633,14 @@ def _shape_from_export(config: Mapping, where: Path) -> tuple[str, DrafterShape]
                "target_hidden_size": config.get("target_hidden_size"), "num_aux_hidden_states": len(ids) or None,
                "torch_dtype": config.get("torch_dtype")}
         return "speculators", DrafterShape.from_config(cfg)
-    if SGLANG_ARCHITECTURE in (config.get("architectures") or []):
+    architectures = config.get("architectures") or []
+    if SGLANG_ARCHITECTURE in architectures or SGLANG_MLA_ARCHITECTURE in architectures:
         ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or []
-        return "sglang", DrafterShape.from_config({**config, "num_aux_hidden_states": len(ids) or None})
-    raise ExportError(f"{where / CONFIG_FILE}: neither an SGLang {SGLANG_ARCHITECTURE} nor a speculators eagle3 config")
+        layout = "mla" if SGLANG_MLA_ARCHITECTURE in architectures else "llama"
+        return "sglang", DrafterShape.from_config({**config, "num_aux_hidden_states": len(ids) or None,
+                                                   "layout": layout})
+    raise ExportError(f"{where / CONFIG_FILE}: neither an SGLang {SGLANG_ARCHITECTURE} or "
+                      f"{SGLANG_MLA_ARCHITECTURE} nor a speculators eagle3 config")
 
 
 def load_export(out_dir: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:

@@ -42,18 +42,18 @@ import torch.distributed as dist
 from torch import nn
 
 from eagle3_pipeline.train.data import PackedBatch
-from eagle3_pipeline.train.model import (
-    Eagle3Drafter,
+from eagle3_pipeline.train.kernels import fused_kernels
+from eagle3_pipeline.train.loss import (
     TeacherTargets,
     TTTLoss,
     TTTMetrics,
-    fused_kernels,
     fused_ttt_loss,
     teacher_targets,
     ttt_loss,
     ttt_metrics,
     ttt_metrics_from_argmax,
 )
+from eagle3_pipeline.train.model import Eagle3Drafter
 
 PARALLEL_MODES = ("ddp", "fsdp")
 ATTENTION_CHOICES = ("auto", "sdpa", "fused")
@@ -142,7 +142,8 @@ class StepRunner:
         self.device = device
         self.dtype = dtype
         if attention == "auto":
-            attention = "fused" if device.type == "cuda" and dtype == "bfloat16" and not sharded else "sdpa"
+            attention = ("fused" if device.type == "cuda" and dtype == "bfloat16" and not sharded
+                         and model.config.layout == "llama" else "sdpa")  # the MLA layout has no fused path yet
         self.attention = attention
         self.compile = (device.type == "cuda") if compile is None else compile
         self.mlp_recompute_steps = DEFAULT_MLP_RECOMPUTE if mlp_recompute_steps is None else mlp_recompute_steps

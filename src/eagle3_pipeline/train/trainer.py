@@ -78,8 +78,10 @@ from eagle3_pipeline.train.data import (
     pack,
     shard,
 )
-from eagle3_pipeline.train.model import DrafterConfig, Eagle3Drafter, TTTMetrics
+from eagle3_pipeline.train.loss import TTTMetrics
+from eagle3_pipeline.train.model import LAYOUTS, DrafterConfig, Eagle3Drafter
 from eagle3_pipeline.train.step import PARALLEL_MODES, StepRunner, all_reduce, distributed
+from eagle3_pipeline.train.variants import DEFAULT_VARIANT, VARIANTS
 from eagle3_pipeline.train.vocab import VocabError, build_draft_vocab, load_token_counts, resolve_draft_vocab_size
 
 METRICS_FILE = "metrics.jsonl"
@@ -100,9 +102,12 @@ CHARTS_DIR = "charts"
 # Settings that decide what a finished run exports: the same ones over the same data -> nothing to do.
 FINGERPRINT_FIELDS = ("target_model_path", "draft_vocab_size", "ttt_length", "epochs", "max_steps", "lr",
                       "warmup_steps", "weight_decay", "grad_clip", "batch_tokens", "eval_ratio", "seed", "dtype",
-                      *SHAPE_OVERRIDES)
+                      "variant", "norm_before_fc", "layout", *SHAPE_OVERRIDES)
 # Settings a resumed run must share with the checkpoint, or its data order / model differ.
-RESUME_FIXED = ("seed", "batch_tokens", "eval_ratio", "ttt_length", "draft_vocab_size", "world")
+RESUME_FIXED = ("seed", "batch_tokens", "eval_ratio", "ttt_length", "draft_vocab_size", "world", "variant",
+                "norm_before_fc", "layout")
+# What a checkpoint written before a setting was recorded had (variants and layouts came later: eagle3, llama).
+FIXED_BEFORE = {"variant": DEFAULT_VARIANT, "norm_before_fc": False, "layout": "llama"}
 
 
 class TrainConfigError(ValueError):
@@ -135,6 +140,12 @@ class TrainConfig:
     dtype: str = "auto"  # auto: bfloat16 on a GPU, float32 on the CPU; bfloat16 = autocast, fp32 master weights
     parallel: str = "ddp"  # several processes: ddp (replicated drafter) or fsdp (sharded, for wide drafters)
     resume: bool = True  # False: discard the output dir's checkpoints and metrics, start over
+    # The drafter's variant: eagle3, or eagle3.1 (fc_norm and norm_output; train/variants.py), and whether one
+    # RMSNorm covers the concatenated aux states before fc.
+    variant: str = DEFAULT_VARIANT
+    norm_before_fc: bool = False
+    # The attention: auto (MLA for a target with multi-latent attention, e.g. Kimi-K2.x; else Llama's), llama, mla.
+    layout: str = "auto"
     # The drafter's shape; None: the target's (see DrafterConfig.from_target).
     hidden_size: int | None = None
     num_attention_heads: int | None = None
@@ -165,6 +176,10 @@ class TrainConfig:
             raise TrainConfigError(f"eval_ratio must be in [0, 1), got {self.eval_ratio!r}")
         if self.dtype not in ("auto", *DTYPES):
             raise TrainConfigError(f"dtype must be auto or one of {DTYPES}, got {self.dtype!r}")
+        if self.layout not in ("auto", *LAYOUTS):
+            raise TrainConfigError(f"layout must be auto or one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if self.variant not in VARIANTS:
+            raise TrainConfigError(f"variant must be one of {', '.join(VARIANTS)}, got {self.variant!r}")
         if self.parallel not in PARALLEL_MODES:
             raise TrainConfigError(f"parallel must be one of {PARALLEL_MODES}, got {self.parallel!r}")
         if self.device != "auto":
@@ -474,7 +489,8 @@ class Plan:
     def check_resumable(self, path: Path, document: dict) -> None:
         """Refuse a checkpoint written with settings that change the data order or the model."""
         saved = document.get("fixed", {})
-        changed = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in self.fixed.items() if saved.get(k) != v]
+        changed = [f"{k} {saved.get(k, FIXED_BEFORE.get(k))!r} -> {v!r}" for k, v in self.fixed.items()
+                   if saved.get(k, FIXED_BEFORE.get(k)) != v]
         if changed:
             raise TrainConfigError(f"{path} was written with other settings ({'; '.join(changed)}); use another "
                                    "output_dir, the same settings, or resume: false to start over")
@@ -558,7 +574,8 @@ def make_plan(cfg: TrainConfig, world: int | None = None) -> Plan:
         raise VocabError(f"token counts cover {counts.numel()} ids, the target's vocabulary has {vocab_size}")
     vocab = build_draft_vocab(counts, draft_size)
     overrides = {name: getattr(cfg, name) for name in SHAPE_OVERRIDES if getattr(cfg, name) is not None}
-    drafter_config = DrafterConfig.from_target(target_config, data.n_aux, draft_size, **overrides)
+    drafter_config = DrafterConfig.from_target(target_config, data.n_aux, draft_size, variant=cfg.variant,
+                                               norm_before_fc=cfg.norm_before_fc, layout=cfg.layout, **overrides)
     if cfg.batch_tokens is None:
         cfg.batch_tokens = auto_batch_tokens(drafter_config.hidden_size)
     per_epoch = [len(shard(pack(train_samples, cfg.batch_tokens, cfg.seed, e), rank, world))
@@ -570,7 +587,8 @@ def make_plan(cfg: TrainConfig, world: int | None = None) -> Plan:
                         "number of processes, or extract more data")
     limit = min(total, cfg.max_steps) if cfg.max_steps is not None else total
     fixed = {"seed": cfg.seed, "batch_tokens": cfg.batch_tokens, "eval_ratio": cfg.eval_ratio,
-             "ttt_length": cfg.ttt_length, "draft_vocab_size": draft_size, "world": world}
+             "ttt_length": cfg.ttt_length, "draft_vocab_size": draft_size, "world": world, "variant": cfg.variant,
+             "norm_before_fc": cfg.norm_before_fc, "layout": drafter_config.layout}
     settings = {name: getattr(cfg, name) for name in FINGERPRINT_FIELDS}
     settings.update(target_model_path=str(target_path.resolve()), draft_vocab_size=draft_size, dtype=dtype,
                     world=world, data=_file_digest(Path(cfg.data_dir) / "data_config.json"))
@@ -846,11 +864,14 @@ def _export(plan: Plan, model_state: dict) -> dict:
     drafter = export.export_sglang(state_dict, export_cfg, plan.data.manifest, plan.drafter_dir,
                                    target_model_type_override=model_type)
     result = {"drafter_dir": str(drafter), "speculators_dir": None, "speculators_note": None}
+    speculators_dir = plan.drafter_dir.with_name(plan.drafter_dir.name + "-speculators")
     try:
         result["speculators_dir"] = str(export.export_speculators(
-            state_dict, export_cfg, plan.data.manifest,
-            plan.drafter_dir.with_name(plan.drafter_dir.name + "-speculators"), target_model_type_override=model_type))
+            state_dict, export_cfg, plan.data.manifest, speculators_dir, target_model_type_override=model_type))
     except export.ExportError as exc:
         result["speculators_note"] = f"no speculators form: {exc}"
+        # An earlier run's speculators form is another drafter's: left there, it would be served as this one.
+        if export.remove_export(speculators_dir):
+            result["speculators_note"] += f" (the earlier run's {speculators_dir} was removed)"
         print(f"eagle3 train: {result['speculators_note']}", flush=True)
     return result
