@@ -3,6 +3,7 @@ decoding equals one request at a time, tau is counted right, and a KV cache the 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -189,6 +190,43 @@ def test_output_equals_target_greedy_decode_on_a_random_llama(random_target, dra
     results = speculative_generate(random_target, EagleProposer(_drafter()), prompts, 40, draft_tokens)
     for prompt, result, want in zip(prompts, results, random_target.greedy_reference(prompts, 40)):
         _is_greedy(random_target, prompt, result, want)
+        assert sum(r.produced for r in result.rounds) == len(result.output_ids) - 1
+
+
+@pytest.fixture(scope="module")
+def deepseek_target(tmp_path_factory) -> tuple[Path, TargetModel]:
+    """A random DeepSeek-V3-shaped target (multi-latent attention, YaRN): what Kimi-K2.x is, tiny."""
+    from train_fixtures import DEEPSEEK_V3
+
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(**{
+        "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": 64, "max_position_embeddings": 256,
+        "num_attention_heads": 4, "tie_word_embeddings": False, "eos_token_id": EOS, **DEEPSEEK_V3})
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    path = tmp_path_factory.mktemp("deepseek-v3")
+    model.save_pretrained(path, safe_serialization=True)
+    return path, TargetModel.load(path, [1, 2, 3], device="cpu")
+
+
+@pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
+def test_the_mla_drafter_drafts_on_a_deepseek_v3_target_and_the_output_is_the_targets_greedy_decode(
+        deepseek_target, variant):
+    path, deepseek_target = deepseek_target
+    config = DrafterConfig.from_target(json.loads((path / "config.json").read_text()), 3, 48, variant=variant)
+    assert config.layout == "mla"
+    torch.manual_seed(2)
+    drafter = Eagle3Drafter(config)
+    with torch.no_grad():
+        for parameter in drafter.parameters():
+            if parameter.requires_grad:
+                parameter.normal_(0, 0.2)
+    prompts = _prompts(3)
+    results = speculative_generate(deepseek_target, EagleProposer(drafter.eval()), prompts, 30, 3, ignore_eos=True)
+    for prompt, result, want in zip(prompts, results,
+                                    deepseek_target.greedy_reference(prompts, 30, ignore_eos=True)):
+        _is_greedy(deepseek_target, prompt, result, want)
         assert sum(r.produced for r in result.rounds) == len(result.output_ids) - 1
 
 
