@@ -190,6 +190,16 @@ def plain_rope(x: torch.Tensor, position: int, inv_freq: torch.Tensor) -> torch.
     return torch.cat([first * angle.cos() - second * angle.sin(), second * angle.cos() + first * angle.sin()])
 
 
+def step_tokens(input_ids: torch.Tensor, step: int) -> torch.Tensor:
+    """The tokens TTT step ``step`` reads: row t gets x_{t+1+step}, 0 past the end."""
+    length = input_ids.shape[1]
+    tokens = torch.zeros_like(input_ids)
+    for t in range(length):
+        if t + 1 + step < length:
+            tokens[:, t] = input_ids[:, t + 1 + step]
+    return tokens
+
+
 def reference_ttt(model: Eagle3Drafter, input_ids, aux, doc_ids, positions, steps: int) -> list[torch.Tensor]:
     """The unrolled steps written plainly: row by row, head by head, keys listed explicitly."""
     layer, attn = model.midlayer, model.midlayer.self_attn
@@ -209,11 +219,7 @@ def reference_ttt(model: Eagle3Drafter, input_ids, aux, doc_ids, positions, step
     hidden = model.fc(aux)
     keys, values, logits = [], [], []  # keys[i][b][t]: [kv_heads, hd] of step i, row t
     for step in range(steps):
-        tokens = torch.zeros_like(input_ids)
-        for t in range(length):
-            if t + 1 + step < length:
-                tokens[:, t] = input_ids[:, t + 1 + step]
-        x = layer.attention_input(model.embed_tokens(tokens), hidden)
+        x = layer.attention_input(model.embed_tokens(step_tokens(input_ids, step)), hidden)
         q = attn.q_proj(x).view(batch, length, attn.heads, attn.head_dim)
         k = attn.k_proj(x).view(batch, length, attn.kv_heads, attn.head_dim)
         v = attn.v_proj(x).view(batch, length, attn.kv_heads, attn.head_dim)

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from test_train_model import N_AUX, plain_rope, with_random_norms
+from test_train_model import N_AUX, one_thread, plain_rope, step_tokens, with_random_norms  # noqa: F401 - one_thread: autouse
 
 from eagle3_pipeline.evaluate.speculative import EagleProposer
 from eagle3_pipeline.train.model import DrafterConfig, DrafterConfigError, Eagle3Drafter
@@ -24,14 +24,6 @@ MLA_TARGET = {
     "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6, "rope_scaling": YARN,
 }  # fmt: skip
 H, HEADS, QL, KVL, NOPE, ROPE, VD, V, DRAFT = 32, 4, 16, 12, 8, 4, 6, 40, 24
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def mla_drafter(seed: int = 0, target: dict | None = None, **overrides) -> Eagle3Drafter:
@@ -131,11 +123,7 @@ def reference_mla_ttt(model: Eagle3Drafter, input_ids, aux, positions, steps: in
     hidden = model.fuse_aux(aux)
     keys, values, logits = [], [], []
     for step in range(steps):
-        tokens = torch.zeros_like(input_ids)
-        for t in range(length):
-            if t + 1 + step < length:
-                tokens[:, t] = input_ids[:, t + 1 + step]
-        x = layer.attention_input(model.embed_tokens(tokens), hidden)
+        x = layer.attention_input(model.embed_tokens(step_tokens(input_ids, step)), hidden)
         q, k, v = plain_mla(attn, x, positions + step, model.inv_freq)
         keys.append(k)
         values.append(v)

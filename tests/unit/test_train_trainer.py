@@ -14,7 +14,7 @@ from eagle3_pipeline.extract.convert import ConvertConfig, convert_storage
 from eagle3_pipeline.train import export as ex
 from eagle3_pipeline.train import trainer as tr
 from eagle3_pipeline.train.data import DataError
-from eagle3_pipeline.train.model import DrafterConfig, DrafterConfigError, Eagle3Drafter
+from eagle3_pipeline.train.model import DrafterConfigError, Eagle3Drafter
 from eagle3_pipeline.train.vocab import VocabError
 
 transformers = pytest.importorskip("transformers")
@@ -94,27 +94,31 @@ def test_checkpoints_hold_no_pickle(data_dir, tmp_path):
     assert state["step"] == 4 and state["data"]["batch"] >= 0
 
 
-def test_export_loads_back_and_gives_the_same_logits(data_dir, tmp_path):
-    tr.train(config(data_dir, tmp_path, max_steps=3))
-    state, cfg = ex.load_export(tmp_path / "drafter")
-    assert "embed_tokens.weight" not in state
-    ckpt = tr.load_checkpoint(tmp_path / "checkpoints" / "step-3")[1]
-    drafter_cfg = DrafterConfig(**{k: cfg[k] if k in cfg else v for k, v in _cfg_defaults(cfg).items()})
-    exported, trained = Eagle3Drafter(drafter_cfg, state["d2t"], state["t2d"]), \
-        Eagle3Drafter(drafter_cfg, ckpt["d2t"], ckpt["t2d"])
+def _exported_drafts_as_checkpointed(out, step: int) -> Eagle3Drafter:
+    """The export, loaded as the evaluation loads it, gives the logits of the checkpoint it came from."""
+    from eagle3_pipeline.evaluate.speculative import load_drafter
+
     embed = torch.randn(VOCAB, HIDDEN)
-    for model, weights in ((exported, state), (trained, ckpt)):
-        model.load_state_dict(weights, strict=False)
-        model.load_target_embeddings(embed)
+    drafter, _ = load_drafter(out / "drafter", embed)
+    ckpt = tr.load_checkpoint(out / "checkpoints" / f"step-{step}")[1]
+    trained = Eagle3Drafter(drafter.config, ckpt["d2t"], ckpt["t2d"])
+    trained.load_state_dict(ckpt, strict=False)
+    trained.load_target_embeddings(embed)
     ids, aux = torch.randint(0, VOCAB, (1, 10)), torch.randn(1, 10, 3 * HIDDEN)
     with torch.no_grad():
-        for a, b in zip(exported.forward_ttt(ids, aux, ttt_length=3), trained.forward_ttt(ids, aux, ttt_length=3)):
+        for a, b in zip(drafter.forward_ttt(ids, aux, ttt_length=3), trained.forward_ttt(ids, aux, ttt_length=3)):
             assert torch.equal(a, b)
+    return drafter
+
+
+def test_export_loads_back_and_gives_the_same_logits(data_dir, tmp_path):
+    tr.train(config(data_dir, tmp_path, max_steps=3))
+    state, _ = ex.load_export(tmp_path / "drafter")
+    assert "embed_tokens.weight" not in state
+    _exported_drafts_as_checkpointed(tmp_path, 3)
 
 
 def test_an_eagle3_1_drafter_trains_exports_for_sglang_and_drafts_as_it_trained(data_dir, tmp_path):
-    from eagle3_pipeline.evaluate.speculative import load_drafter
-
     tr.train(config(data_dir, tmp_path, max_steps=2))  # an eagle3 drafter first: both forms written
     speculators = tmp_path / "drafter-speculators"
     assert (speculators / ex.CONFIG_FILE).is_file()
@@ -126,17 +130,8 @@ def test_an_eagle3_1_drafter_trains_exports_for_sglang_and_drafts_as_it_trained(
     assert result["speculators_dir"] is None and "EAGLE 3.1" in result["speculators_note"]
     # The eagle3 run's speculators form is gone: it would have been served as this drafter.
     assert "was removed" in result["speculators_note"] and not speculators.exists()
-    embed = torch.randn(VOCAB, HIDDEN)
-    drafter, _ = load_drafter(tmp_path / "drafter", embed)  # what the evaluation drafts with
-    ckpt = tr.load_checkpoint(tmp_path / "checkpoints" / "step-3")[1]
-    trained = Eagle3Drafter(drafter.config, ckpt["d2t"], ckpt["t2d"])
-    trained.load_state_dict(ckpt, strict=False)
-    trained.load_target_embeddings(embed)
+    drafter = _exported_drafts_as_checkpointed(tmp_path, 3)  # what the evaluation drafts with
     assert drafter.config.fc_norm and drafter.config.norm_output and len(drafter.fc_norm) == 3
-    ids, aux = torch.randint(0, VOCAB, (1, 10)), torch.randn(1, 10, 3 * HIDDEN)
-    with torch.no_grad():
-        for a, b in zip(drafter.forward_ttt(ids, aux, ttt_length=3), trained.forward_ttt(ids, aux, ttt_length=3)):
-            assert torch.equal(a, b)
     # Another variant is another drafter: its checkpoints are not resumed, and the message says what changed.
     with pytest.raises(tr.TrainConfigError, match="variant 'eagle3.1' -> 'eagle3'"):
         tr.train(config(data_dir, tmp_path, max_steps=3))
@@ -152,38 +147,17 @@ def deepseek_data_dir(tmp_path_factory):
 
 
 def test_a_deepseek_v3_target_trains_the_mla_drafter_that_sglang_serves_for_kimi(deepseek_data_dir, tmp_path):
-    from eagle3_pipeline.evaluate.speculative import load_drafter
-
     result = tr.train(config(deepseek_data_dir, tmp_path, max_steps=3, variant="eagle3.1"))
     config_json = json.loads((tmp_path / "drafter" / ex.CONFIG_FILE).read_text())
     assert config_json["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and config_json["kv_lora_rank"] == 8
     assert config_json["rope_scaling"]["rope_type"] == "yarn" and config_json["fc_norm"] is True
     assert config_json["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]  # DeepSeek's: ours + 1
     assert result["speculators_dir"] is None and "multi-latent attention" in result["speculators_note"]
-    embed = torch.randn(VOCAB, HIDDEN)
-    drafter, _ = load_drafter(tmp_path / "drafter", embed)
+    drafter = _exported_drafts_as_checkpointed(tmp_path, 3)
     assert drafter.config.layout == "mla" and drafter.config.q_lora_rank == 16
-    ckpt = tr.load_checkpoint(tmp_path / "checkpoints" / "step-3")[1]
-    trained = Eagle3Drafter(drafter.config, ckpt["d2t"], ckpt["t2d"])
-    trained.load_state_dict(ckpt, strict=False)
-    trained.load_target_embeddings(embed)
-    ids, aux = torch.randint(0, VOCAB, (1, 10)), torch.randn(1, 10, 3 * HIDDEN)
-    with torch.no_grad():
-        for a, b in zip(drafter.forward_ttt(ids, aux, ttt_length=3), trained.forward_ttt(ids, aux, ttt_length=3)):
-            assert torch.equal(a, b)
     # A Llama drafter cannot follow this target's YaRN: refused by name before anything runs.
     with pytest.raises(DrafterConfigError, match="rope type 'yarn' is not supported by the llama layout"):
         tr.train(config(deepseek_data_dir, tmp_path, max_steps=3, variant="eagle3.1", layout="llama"))
-
-
-def _cfg_defaults(cfg):
-    return {"hidden_size": cfg["hidden_size"], "num_attention_heads": cfg["num_attention_heads"],
-            "num_key_value_heads": cfg["num_key_value_heads"], "head_dim": cfg["head_dim"],
-            "intermediate_size": cfg["intermediate_size"], "target_hidden_size": cfg["target_hidden_size"],
-            "num_aux_hidden_states": 3, "vocab_size": cfg["vocab_size"],
-            "draft_vocab_size": cfg["draft_vocab_size"], "rms_norm_eps": cfg["rms_norm_eps"],
-            "rope_theta": cfg["rope_theta"], "rope_scaling": cfg["rope_scaling"],
-            "max_position_embeddings": cfg["max_position_embeddings"]}
 
 
 def test_bad_inputs_fail_clearly(data_dir, tmp_path):
