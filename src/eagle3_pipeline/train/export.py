@@ -121,6 +121,7 @@ from eagle3_pipeline.atomic import atomic_write, atomic_write_text
 from eagle3_pipeline.capture.layers import AUX_LAYER_CONVENTION, check_aux_layers
 from eagle3_pipeline.capture.writer import save_safetensors
 from eagle3_pipeline.serve.sglang_command import LAYER_ID_CONVENTIONS, SGLANG_VERSION, sglang_layer_ids
+from eagle3_pipeline.train.model_mla import MLA_FIELDS
 from eagle3_pipeline.train.variants import extra_tensors, flags_of, sglang_keys, variant_name
 from eagle3_pipeline.train.vocab import VocabError, check_mapping
 
@@ -128,7 +129,6 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 SGLANG_MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"  # srt/models/kimi_k25_eagle3.py: the MLA layout
-MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 SPECULATORS_AUX_COUNT = 3  # vLLM's Eagle3 fc is target_hidden_size * 3 wide
 PROVENANCE_KEY = "eagle3_pipeline"
