@@ -109,6 +109,7 @@ def write_inventory(work: Path, args, regenerate: bool) -> Path:
         "eagle_training_output_dir": str(run_dir / "training"),
         "eagle_training_drafter_dir": str(run_dir / "training" / "drafter"),
         "eagle_training_state_dir": str(work / "jobs"), "eagle_training_seed": args.seeds[0],
+        "eagle_training_variant": args.variants[0],
         "eagle_training_device": args.device,
         "evaluation_prompts": str(args.sharegpt), "evaluation_num_prompts": args.heldout,
         "evaluation_max_new_tokens": args.max_new_tokens, "evaluation_output_dir": str(run_dir / "evaluation"),
@@ -136,12 +137,15 @@ def site(work: Path, args, regenerate: bool, env: dict, skip_tags: str = "") -> 
                f"site.yml ({'with' if regenerate else 'without'} regeneration)", env)
 
 
-def train_ours(work: Path, data_dir: Path, reference: dict, seed: int, args, name: str = "") -> tuple[list[str], Path]:
-    """Our trainer on ``data_dir`` with the settings of the site run's training, another seed: (argv, out)."""
+def train_ours(work: Path, data_dir: Path, reference: dict, seed: int, args, name: str = "",
+               variant: str = "eagle3") -> tuple[list[str], Path]:
+    """Our trainer on ``data_dir`` with the settings of the site run's training, another seed or variant:
+    (argv, out)."""
     config = reference["config"]
-    out = work / "regenerated" / (name or f"training-seed{seed}")
+    out = work / args.source / (name or f"training-{variant}-seed{seed}")
     argv = [sys.executable, "-m", "eagle3_pipeline.cli", "train", "--data-dir", str(data_dir), "--output-dir",
-            str(out), "--seed", str(seed), "--device", args.device, "--no-tensorboard", "--no-charts"]
+            str(out), "--seed", str(seed), "--device", args.device, "--no-tensorboard", "--no-charts",
+            "--variant", variant]
     for key in ("draft_vocab_size", "ttt_length", "epochs", "lr", "warmup_steps", "batch_tokens", "eval_ratio",
                 "grad_clip", "weight_decay"):
         if config.get(key) is not None:
@@ -149,10 +153,12 @@ def train_ours(work: Path, data_dir: Path, reference: dict, seed: int, args, nam
     return argv, out
 
 
-def train_specforge(work: Path, data_dir: Path, reference: dict, seed: int, args) -> tuple[list[str], Path]:
-    """SpecForge 0.2.0's step over the same batches: the steps, lr, batch and seed of ours: (argv, out)."""
+def train_specforge(work: Path, data_dir: Path, reference: dict, seed: int, args,
+                    variant: str = "eagle3") -> tuple[list[str], Path]:
+    """SpecForge 0.2.0's step over the same batches: the steps, lr, batch and seed of ours: (argv, out).
+    ``eagle3.1``: SpecForge's EAGLE 3.1 configuration (its draft config's ``fc_norm``)."""
     config = reference["config"]
-    out = work / "regenerated" / f"specforge-seed{seed}"
+    out = work / args.source / f"specforge-{variant}-seed{seed}"
     argv = [sys.executable, str(ROOT / "bench" / "specforge_trainer.py"), "--data-dir", str(data_dir),
             "--output-dir", str(out), "--steps", str(reference["steps"]), "--lr", str(config["lr"]),
             "--batch-tokens", str(config["batch_tokens"]), "--seed", str(seed), "--ttt", str(config["ttt_length"]),
@@ -160,6 +166,8 @@ def train_specforge(work: Path, data_dir: Path, reference: dict, seed: int, args
             "--log-every", "200"]
     if config.get("draft_vocab_size"):
         argv += ["--draft-vocab-size", str(config["draft_vocab_size"])]
+    if variant == "eagle3.1":
+        argv.append("--fc-norm")
     if args.specforge_path:
         argv += ["--specforge-path", args.specforge_path]
     return argv, out
@@ -169,7 +177,8 @@ class Measurer:
     """Every drafter by the same speculative decoding on the same held-out prompts (see the module docstring): the
     prompts chosen, the target loaded and its greedy decode by full forwards made once; ``one`` per drafter."""
 
-    def __init__(self, data_dir: Path, args, dtype: str, prompts: int, chains=CHAINS, replay: bool = True) -> None:
+    def __init__(self, data_dir: Path, args, dtype: str, prompts: int, chains=CHAINS, replay: bool = True,
+                 min_prompt_tokens: int = 0, label: str = "") -> None:
         from eagle3_pipeline.conversations.template import load_renderer  # noqa: PLC0415
         from eagle3_pipeline.evaluate.heldout import select_heldout_prompts  # noqa: PLC0415
         from eagle3_pipeline.evaluate.speculative import TargetModel  # noqa: PLC0415
@@ -181,9 +190,13 @@ class Measurer:
         renderer = load_renderer(Path(target_path), manifest.get("chat_template_file"))
         started = time.perf_counter()
         selection = select_heldout_prompts(args.sharegpt, renderer, data, prompts, prompts,
-                                           args.max_new_tokens)
-        say(f"{len(selection.prompts)} held-out prompts ({len(selection.excluded)} excluded: seen in training, "
-            f"repeated or too long) in {time.perf_counter() - started:.1f} s")
+                                           args.max_new_tokens, min_prompt_tokens=min_prompt_tokens)
+        self.label = label or dtype
+        lengths = sorted(len(p.input_ids) for p in selection.prompts)
+        say(f"{self.label}: {len(selection.prompts)} held-out prompts of {lengths[0]}-{lengths[-1]} tokens (median "
+            f"{lengths[len(lengths) // 2]}; {len(selection.excluded)} excluded: seen in training, repeated or too "
+            f"long; {selection.shorter} shorter than {min_prompt_tokens} passed over) in "
+            f"{time.perf_counter() - started:.1f} s")
         self.args, self.dtype, self.chains, self.replay = args, dtype, list(chains), replay
         self.target = TargetModel.load(target_path, [int(a) for a in manifest["aux_layers"]], device=args.device,
                                        dtype=dtype)
@@ -195,7 +208,10 @@ class Measurer:
         self.reference_s = time.perf_counter() - began
         say(f"{dtype}: the target's greedy decode by full forwards: "
             f"{sum(len(ids) for ids, _ in self.reference)} tokens in {self.reference_s:.1f} s")
-        self.results = {"dtype": dtype, "prompts": len(self.prompt_ids), "excluded": len(selection.excluded),
+        self.results = {"label": self.label, "dtype": dtype, "prompts": len(self.prompt_ids),
+                        "excluded": len(selection.excluded), "min_prompt_tokens": min_prompt_tokens,
+                        "prompt_tokens": {"min": lengths[0], "median": lengths[len(lengths) // 2],
+                                          "max": lengths[-1]},
                         "reference_decode_s": self.reference_s, "drafters": {}}
 
     def one(self, name: str, training_dir: Path) -> dict:
@@ -235,14 +251,15 @@ class Measurer:
                          f"{fmt((run['replayed'] or {}).get('per_token_tau'))}; predicted {fmt(run['predicted_tau'])}, "
                          f"per token {fmt(run['predicted_tau_per_token'])}; {run['tokens_per_s']:,.0f} tokens/s)"
                          for run in figures)
-        say(f"{self.dtype} {name}: {line}; outputs: {check['near_ties']} near-ties, {check['faults']} faults; "
+        say(f"{self.label} {name}: {line}; outputs: {check['near_ties']} near-ties, {check['faults']} faults; "
             f"verdict {'passed' if verdict['passed'] else 'FAILED'} ({entry['measure_s']:.1f} s)")
         return entry
 
 
 def summary(results: dict) -> list[str]:
     """The table and the ratios."""
-    lines = [f"{'drafter':<28} {'tau@3':>7} {'tau@7':>7} {'rep@3':>7} {'rep@7':>7} {'pred@3':>7} {'pred@7':>7}  "
+    lines = [f"{results.get('label', results['dtype'])}: {results['prompts']} held-out prompts",
+             f"{'drafter':<40} {'tau@3':>7} {'tau@7':>7} {'rep@3':>7} {'rep@7':>7} {'pred@3':>7} {'pred@7':>7}  "
              "acceptance per position (chain of 7, conditional); rep: replayed from full forwards"]
     taus: dict[str, dict[int, float]] = {}
     for name, entry in results["drafters"].items():
@@ -255,24 +272,34 @@ def summary(results: dict) -> list[str]:
         cond = "/".join(f"{v:.2f}" for v in by_chain[7]["conditional_acceptance_per_position"]) if 7 in by_chain \
             else "-"
         replayed = {chain: (run.get("replayed") or {}).get("tau") for chain, run in by_chain.items()}
-        lines.append(f"{name:<28} {fmt(taus[name].get(3))} {fmt(taus[name].get(7))} {fmt(replayed.get(3))} "
+        lines.append(f"{name:<40} {fmt(taus[name].get(3))} {fmt(taus[name].get(7))} {fmt(replayed.get(3))} "
                      f"{fmt(replayed.get(7))} {fmt(by_chain.get(3, {}).get('predicted_tau'))} "
                      f"{fmt(by_chain.get(7, {}).get('predicted_tau'))}"
                      f"  {cond}")
 
     def mean(prefix: str, chain: int) -> float | None:
-        values = [t[chain] for n, t in taus.items() if n.startswith(prefix) and chain in t]
+        values = [t[chain] for n, t in taus.items() if n.startswith(prefix + " ") and chain in t]
         return statistics.fmean(values) if values else None
 
+    def ratio(text: str, chain: int, one: str, other: str) -> None:
+        a, b = mean(one, chain), mean(other, chain)
+        if a and b:
+            lines.append(f"chain of {chain}: {text} (mean over seeds) = {a:.3f} / {b:.3f} = {a / b:.3f}x")
+
+    sources = sorted({name.split()[1] for name in taus})
+    variants = sorted({name.split()[2] for name in taus})
     for chain in CHAINS:
-        ours, theirs = mean("ours regenerated", chain), mean("specforge regenerated", chain)
-        original = mean("ours original", chain)
-        if ours and theirs:
-            lines.append(f"chain of {chain}: ours / SpecForge (mean over seeds) = {ours:.3f} / {theirs:.3f} = "
-                         f"{ours / theirs:.3f}x")
-        if ours and original:
-            lines.append(f"chain of {chain}: regenerated / ShareGPT's own answers (ours) = {ours:.3f} / "
-                         f"{original:.3f} = {ours / original:.3f}x")
+        for source in sources:
+            for variant in variants:
+                ratio(f"{source}, {variant}: ours / SpecForge", chain, f"ours {source} {variant}",
+                      f"specforge {source} {variant}")
+            if "eagle3" in variants and "eagle3.1" in variants:
+                for who in ("ours", "specforge"):
+                    ratio(f"{source}, {who}: eagle3.1 / eagle3", chain, f"{who} {source} eagle3.1",
+                          f"{who} {source} eagle3")
+        for variant in variants:
+            ratio(f"ours, {variant}: regenerated / ShareGPT's own answers", chain, f"ours regenerated {variant}",
+                  f"ours original {variant}")
     return lines
 
 
@@ -289,6 +316,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-length", type=int, default=2048,
                         help="tokens per conversation kept by the extraction (and so regenerated)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--variants", nargs="+", choices=("eagle3", "eagle3.1"), default=["eagle3"],
+                        help="our drafter variants, each with every seed (the site run trains the first with the "
+                        "first seed)")
+    parser.add_argument("--specforge-variants", nargs="+", choices=("eagle3", "eagle3.1"), default=["eagle3"],
+                        help="SpecForge's configurations (eagle3.1: its fc_norm), each with every SpecForge seed")
+    parser.add_argument("--no-regeneration", action="store_true",
+                        help="part 1 extracts ShareGPT's own answers (no regeneration; implies --skip-original): "
+                        "every drafter trains on that data")
+    parser.add_argument("--long-prompts", type=int, default=0,
+                        help="also measure every drafter on this many held-out prompts of at least "
+                        "--long-min-tokens tokens (0: none)")
+    parser.add_argument("--long-min-tokens", type=int, default=1000, help="the long prompts' least length")
     parser.add_argument("--epochs", type=int, help="default: the example inventory's")
     parser.add_argument("--lr", type=float, help="default: the example inventory's")
     parser.add_argument("--batch-tokens", type=int, help="default: the example inventory's")
@@ -315,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="tags part 1's site.yml skips (evaluate,report: its drafter is measured in part 2 anyway)")
     parser.add_argument("--fp32-prompts", type=int, default=32, help="held-out prompts of the float32 re-measurement")
     args = parser.parse_args(argv)
+    args.source = "original" if args.no_regeneration else "regenerated"
+    args.skip_original = args.skip_original or args.no_regeneration
     if args.fp8 and args.storage_dtype != "bfloat16":
         parser.error("--fp8 copies the data stored as captured: leave --storage-dtype at bfloat16")
     args.work, args.gguf, args.sharegpt = args.work.resolve(), args.gguf.resolve(), args.sharegpt.resolve()
@@ -331,17 +372,19 @@ def main(argv: list[str] | None = None) -> int:
     def keep() -> None:  # what is measured so far survives a stop
         record_path.write_text(json.dumps(results, indent=1))
 
-    regenerated = args.work / "regenerated"
+    regenerated = args.work / args.source  # the first run's directory (with regeneration unless told otherwise)
     if args.part in ("1", "all"):
-        times["site.yml with regeneration"] = site(args.work, args, True, env, args.part1_skip_tags)
-        for stage in ("regeneration/regeneration.json", "regenerated/evaluation/evaluation.json"):
+        times[f"site.yml {'without' if args.no_regeneration else 'with'} regeneration"] = site(
+            args.work, args, not args.no_regeneration, env, args.part1_skip_tags)
+        for stage in ("regeneration/regeneration.json", f"{args.source}/evaluation/evaluation.json"):
             if (args.work / stage).is_file():
                 results[stage] = json.loads((args.work / stage).read_text())
         keep()
     if args.part == "1":
         return 0
     reference = json.loads((regenerated / "training" / "training.json").read_text())
-    drafters: dict[str, Path] = {f"ours regenerated seed {args.seeds[0]}": regenerated / "training"}
+    src = args.source
+    drafters: dict[str, Path] = {f"ours {src} {args.variants[0]} seed {args.seeds[0]}": regenerated / "training"}
     jobs = []
     if args.fp8:
         # Issue 13: the same stored samples as float8 with per-token scales, and our drafter trained on that copy
@@ -357,15 +400,20 @@ def main(argv: list[str] | None = None) -> int:
         keep()
         argv, out = train_ours(args.work, fp8_data, reference, args.seeds[0], args, name="training-float8")
         jobs.append((argv, f"ours on float8, seed {args.seeds[0]}", args.work / "ours-float8.log", out))
-        drafters[f"ours regenerated float8 seed {args.seeds[0]}"] = out
-    for seed in args.seeds[1:]:
-        argv, out = train_ours(args.work, regenerated / "data", reference, seed, args)
-        jobs.append((argv, f"ours, seed {seed}", args.work / f"ours-seed{seed}.log", out))
-        drafters[f"ours regenerated seed {seed}"] = out
-    for seed in [] if args.skip_specforge else (args.specforge_seeds or args.seeds):
-        argv, out = train_specforge(args.work, regenerated / "data", reference, seed, args)
-        jobs.append((argv, f"SpecForge 0.2.0, seed {seed}", args.work / f"specforge-seed{seed}.log", out))
-        drafters[f"specforge regenerated seed {seed}"] = out
+        drafters[f"ours {src} float8 seed {args.seeds[0]}"] = out
+    for variant in args.variants:
+        for seed in args.seeds:
+            if (variant, seed) == (args.variants[0], args.seeds[0]):
+                continue  # the site run's own drafter
+            argv, out = train_ours(args.work, regenerated / "data", reference, seed, args, variant=variant)
+            jobs.append((argv, f"ours {variant}, seed {seed}", args.work / f"ours-{variant}-seed{seed}.log", out))
+            drafters[f"ours {src} {variant} seed {seed}"] = out
+    for variant in [] if args.skip_specforge else args.specforge_variants:
+        for seed in args.specforge_seeds or args.seeds:
+            argv, out = train_specforge(args.work, regenerated / "data", reference, seed, args, variant=variant)
+            jobs.append((argv, f"SpecForge 0.2.0 {variant}, seed {seed}",
+                         args.work / f"specforge-{variant}-seed{seed}.log", out))
+            drafters[f"specforge {src} {variant} seed {seed}"] = out
     todo = [(argv, what, log, out) for argv, what, log, out in jobs if not (out / "training.json").is_file()]
     started, running = start_together([] if args.only_measure else [job[:3] for job in todo], env)
     name_of = {out: name for name, out in drafters.items()}
@@ -375,16 +423,24 @@ def main(argv: list[str] | None = None) -> int:
     # Each drafter is measured as soon as its training is done, beside the trainings still running, and kept at
     # once: a run cut short keeps every figure measured before the cut.
     began = time.perf_counter()
-    measurer = Measurer(regenerated / "data", args, dtype, args.heldout, replay=not args.skip_replay)
-    results["measured"] = [measurer.results]
+    measurers = [Measurer(regenerated / "data", args, dtype, args.heldout, replay=not args.skip_replay,
+                          label=f"{dtype}, usual prompts")]
+    if args.long_prompts:
+        # The regime EAGLE 3.1 was made for: prompts of --long-min-tokens+ (the training's max_length bounds them).
+        measurers.append(Measurer(regenerated / "data", args, dtype, args.long_prompts, replay=not args.skip_replay,
+                                  min_prompt_tokens=args.long_min_tokens,
+                                  label=f"{dtype}, prompts of {args.long_min_tokens}+ tokens"))
+    measurer = measurers[0]
+    results["measured"] = [m.results for m in measurers]
 
     def measure_one(name: str) -> None:
-        try:
-            measurer.one(name, drafters[name])
-        except Exception as exc:  # noqa: BLE001 - one drafter's failure leaves the others measured
-            failed[f"measuring {name}"] = f"{type(exc).__name__}: {exc}"
-            say(f"measuring {name} FAILED: {type(exc).__name__}: {exc}")
-        keep()
+        for one in measurers:
+            try:
+                one.one(name, drafters[name])
+            except Exception as exc:  # noqa: BLE001 - one drafter's failure leaves the others measured
+                failed[f"measuring {name} ({one.label})"] = f"{type(exc).__name__}: {exc}"
+                say(f"measuring {name} ({one.label}) FAILED: {type(exc).__name__}: {exc}")
+            keep()
 
     for name, out in drafters.items():
         if name not in waiting and (out / "training.json").is_file():
@@ -405,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep_original_data and (original / "data").is_dir() \
                 and (original / "training" / "training.json").is_file():
             shutil.rmtree(original / "data")  # its drafter is trained: the disk goes to the measurements
-        name = f"ours original seed {args.seeds[0]}"
+        name = f"ours original {args.variants[0]} seed {args.seeds[0]}"
         drafters[name] = original / "training"
         if (original / "training" / "training.json").is_file():
             measure_one(name)
@@ -425,15 +481,18 @@ def main(argv: list[str] | None = None) -> int:
             measure_one(name)
         time.sleep(2)
     for name in drafters:
-        if name not in measurer.results["drafters"] and f"measuring {name}" not in failed:
+        if name not in measurer.results["drafters"] and not any(key.startswith(f"measuring {name} ")
+                                                                 for key in failed):
             say(f"{name}: not trained (see the failures above): not measured")
             failed.setdefault(name, "not trained: not measured")
     times[f"measuring {len(measurer.results['drafters'])} drafters ({dtype}, beside the trainings)"] = \
         time.perf_counter() - began
-    measurer.target = None  # the float32 one below loads its own
+    for one in measurers:
+        one.target = None  # the float32 one below loads its own
     keep()
-    for line in summary(results["measured"][0]):
-        print(line, flush=True)
+    for one in measurers:
+        for line in summary(one.results):
+            print(line, flush=True)
     if not args.skip_fp32 and dtype != "float32":
         first = next(iter(drafters))
         began = time.perf_counter()

@@ -137,7 +137,7 @@ import typing
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -423,7 +423,7 @@ def drafter_config_of(draft_config, draft_vocab_size: int) -> DrafterConfig:
 
 def build_models(sf: SpecForge, target_model_path: str | Path, *, draft_vocab_size: int, d2t: torch.Tensor,
                  t2d: torch.Tensor, ttt_length: int, attention_backend: str, device: torch.device,
-                 dtype: torch.dtype, seed: int) -> SpecForgeModels:
+                 dtype: torch.dtype, seed: int, fc_norm: bool = False) -> SpecForgeModels:
     """SpecForge's draft (``resolve_draft_config``, ``build_eagle3_draft`` under ``seed``), the vocabulary installed
     as ``_install_dataset_vocab_mapping`` does, ``OnlineEagle3Model`` and ``TargetHead`` at its defaults.
 
@@ -433,7 +433,8 @@ def build_models(sf: SpecForge, target_model_path: str | Path, *, draft_vocab_si
     cfg = run_config(target_model_path, attention_backend, dtype_name)
     draft_config = sf.resolve_draft_config(cfg, provider=sf.providers.model.draft_config)
     draft_config.draft_vocab_size = draft_vocab_size  # its default 32000 is not capped at the target's vocabulary
-    drafter_config = drafter_config_of(draft_config, draft_vocab_size)
+    draft_config.fc_norm = bool(fc_norm)  # read by its LlamaForCausalLMEagle3 (EAGLE 3.1's per-aux norms)
+    drafter_config = replace(drafter_config_of(draft_config, draft_vocab_size), fc_norm=bool(fc_norm))
     torch.manual_seed(seed)
     draft = sf.providers.model.build_draft(cfg, draft_config)
     with torch.no_grad():
@@ -569,6 +570,10 @@ class SpecForgeRun:
     attention_backend: str = "auto"  # auto: flex_attention (SpecForge's default) on a GPU, sdpa on the CPU
     specforge_path: str | None = None
     log_every: int = 10
+    # SpecForge's EAGLE 3.1 configuration: its draft config's ``fc_norm`` (an RMSNorm on each aux state before
+    # fc). Its model has no ``norm_output`` in SGLang's sense (its ``norm_output`` is the logits' norm, on by
+    # default; the next step always reads the pre-norm state): exported as SGLang's ``fc_norm`` alone.
+    fc_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -649,8 +654,8 @@ def train(run: SpecForgeRun) -> dict:
          f"{vocab.counted_tokens} training loss tokens")
     models = build_models(sf, plan.target_path, draft_vocab_size=draft_vocab_size, d2t=vocab.d2t, t2d=vocab.t2d,
                           ttt_length=run.ttt_length, attention_backend=backend, device=device, dtype=dtype,
-                          seed=run.seed)
-    if models.drafter_config != plan.drafter_config:
+                          seed=run.seed, fc_norm=run.fc_norm)
+    if models.drafter_config != replace(plan.drafter_config, fc_norm=run.fc_norm):
         _say(f"note: SpecForge's draft shape {models.drafter_config} differs from ours {plan.drafter_config}")
     horizon = sf.resolve_total_steps(total_steps=None, max_steps=run.steps, num_samples=len(plan.train_samples),
                                      batch_size=1, accumulation_steps=DEFAULTS.accumulation_steps,
@@ -732,7 +737,7 @@ def train(run: SpecForgeRun) -> dict:
         "specforge": {"path": sf.path, "version": SPECFORGE_VERSION, "attention_backend": backend,
                       "max_length": max_length, "schedule_total_steps": horizon,
                       "warmup_steps": int(DEFAULTS.warmup_ratio * horizon), **asdict(DEFAULTS),
-                      "draft_config": models.draft_config.to_dict()},
+                      "draft_config": models.draft_config.to_dict(), "fc_norm": run.fc_norm},
     }  # fmt: skip
     atomic_write_text(out_dir / TRAINING_FILE, json.dumps(summary, indent=1, default=str) + "\n")
     _say(f"{step} steps in {train_s:.1f} s; drafter exported to {drafter_dir}; {out_dir / TRAINING_FILE}")
@@ -759,13 +764,15 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"where specforge {SPECFORGE_VERSION} is installed (default ${SPECFORGE_PATH_ENV} or "
                              f"{DEFAULT_SPECFORGE_PATH})")
     parser.add_argument("--log-every", type=int, default=10, help="print a progress line every N steps")
+    parser.add_argument("--fc-norm", action="store_true",
+                        help="SpecForge's EAGLE 3.1 configuration (its draft config's fc_norm)")
     args = parser.parse_args(argv)
     try:
         run = SpecForgeRun(data_dir=args.data_dir, output_dir=args.output_dir, steps=args.steps, lr=args.lr,
                            batch_tokens=args.batch_tokens, seed=args.seed, ttt_length=args.ttt, epochs=args.epochs,
                            eval_ratio=args.eval_ratio, draft_vocab_size=args.draft_vocab_size, device=args.device,
                            dtype=args.dtype, attention_backend=args.attention_backend,
-                           specforge_path=args.specforge_path, log_every=args.log_every)
+                           specforge_path=args.specforge_path, log_every=args.log_every, fc_norm=args.fc_norm)
         train(run)
     except (SpecForgeUnavailable, TrainConfigError, DataError, VocabError, export.ExportError) as exc:
         print(f"specforge train: {exc}", file=sys.stderr, flush=True)

@@ -23,7 +23,7 @@ printed as the warm-up time), then ``--steps`` timed steps between two device sy
 tokens/s, MFU, peak memory since the model was built (``max_memory_allocated`` and ``_reserved``; the
 caching allocator is emptied and the peaks reset between implementations), and the ratios ours/SpecForge.
 
-MFU = tokens/s x FLOPs per token / 989.4e12 (H200 dense BF16 peak), FLOPs per token =
+MFU = tokens/s x FLOPs per token / 989.4e12 (H100 and H200 SXM dense BF16 peak), FLOPs per token =
 3 x 2 x (TTT x (midlayer + lm_head parameters) + fc parameters)   forward + backward of what trains
 + 2 x H x (draft vocab + full vocab)                               the teacher's two lm_head products
 (attention's own FLOPs are not counted, nor any recomputation).
@@ -39,7 +39,7 @@ import json
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -48,7 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from eagle3_pipeline.train.data import PackedBatch  # noqa: E402
 from eagle3_pipeline.train.model import DrafterConfig, Eagle3Drafter  # noqa: E402
+from eagle3_pipeline.train.model_mla import Eagle3MLAAttention  # noqa: E402
 from eagle3_pipeline.train.step import DEFAULT_MLP_RECOMPUTE, StepRunner  # noqa: E402
+from eagle3_pipeline.train.variants import VARIANTS, variant_flags  # noqa: E402
 
 H200_BF16_PEAK = 989.4e12
 TTT = 7
@@ -67,6 +69,8 @@ class Shape:
     draft_vocab: int
     n_aux: int = 3
     rope_theta: float = 500000.0
+    mla: dict | None = None  # the MLA layout's sizes (q_lora_rank, kv_lora_rank, qk_nope/rope_head_dim, v_head_dim)
+    variant: str = "eagle3"
 
     def drafter_config(self) -> DrafterConfig:
         return DrafterConfig(hidden_size=self.hidden, num_attention_heads=self.heads,
@@ -74,12 +78,15 @@ class Shape:
                              intermediate_size=self.intermediate, target_hidden_size=self.hidden,
                              num_aux_hidden_states=self.n_aux, vocab_size=self.vocab,
                              draft_vocab_size=self.draft_vocab, rms_norm_eps=1e-5, rope_theta=self.rope_theta,
-                             max_position_embeddings=131072)
+                             max_position_embeddings=131072, **variant_flags(self.variant),
+                             **({"layout": "mla", **self.mla} if self.mla else {}))
 
     def flops_per_token(self, ttt: int) -> float:
         """The MFU numerator (see the module docstring)."""
         h, i = self.hidden, self.intermediate
         attention = 2 * h * (self.heads + 2 * self.kv_heads) * self.head_dim + self.heads * self.head_dim * h
+        if self.mla:  # the MLA projections' parameters, counted on the attention module itself
+            attention = sum(p.numel() for p in Eagle3MLAAttention(self.drafter_config()).parameters())
         midlayer = attention + 3 * h * i
         lm_head = h * self.draft_vocab
         fc = self.n_aux * h * h
@@ -91,7 +98,18 @@ LLAMA_8B = Shape(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim
 SMOLLM2 = Shape(hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152, draft_vocab=32000,
                 rope_theta=100000.0)
 TINY = Shape(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=512, draft_vocab=128)
-SHAPES = {"llama-8b": LLAMA_8B, "smollm2": SMOLLM2}
+TINY_MLA = Shape(hidden=64, intermediate=128, heads=4, kv_heads=4, head_dim=24, vocab=512, draft_vocab=512,
+                 mla={"q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                      "v_head_dim": 16})
+# Kimi-K2.5's MLA drafter (the public kimi-k2.5-eagle3-mla's shape, inventory/examples/kimi-k2.5-8gpu.yml): the
+# target's width and dense MLP (7168, 18432), DeepSeek-V3's multi-latent attention (64 heads, q/kv latents 1536/512,
+# nope/rope/v head dims 128/64/128; RoPE theta 50000, YaRN left out: it only changes the frequencies' values),
+# the whole 163840-token vocabulary as draft vocabulary.
+KIMI_MLA = Shape(hidden=7168, intermediate=18432, heads=64, kv_heads=64, head_dim=192, vocab=163840,
+                 draft_vocab=163840, rope_theta=50000.0,
+                 mla={"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                      "v_head_dim": 128})
+SHAPES = {"llama-8b": LLAMA_8B, "smollm2": SMOLLM2, "kimi-mla": KIMI_MLA}
 
 
 def random_batches(shape: Shape, seq_len: int, docs: int, count: int, seed: int, pin: bool) -> list[PackedBatch]:
@@ -286,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="tokens per step; several: each implementation runs once per value (a batch sweep)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b", help="the drafter's shape")
     parser.add_argument("--docs", type=int, default=1, help="samples packed into each step's tokens")
+    parser.add_argument("--variant", choices=sorted(VARIANTS), default="eagle3", help="ours: the drafter variant")
     parser.add_argument("--impls", default="ours,specforge-flex_attention,specforge-sdpa",
                         help="comma-separated: ours, specforge-flex_attention, specforge-sdpa")
     parser.add_argument("--mlp-recompute-steps", type=int, nargs="+", default=[DEFAULT_MLP_RECOMPUTE],
@@ -298,12 +317,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
 
-    shape = SHAPES[args.shape]
+    shape = replace(SHAPES[args.shape], variant=args.variant)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     impls = [name.strip() for name in args.impls.split(",") if name.strip()]
+    if shape.mla and any(name.startswith("specforge") for name in impls):
+        print("SpecForge 0.2.0 trains no MLA drafter (its drafts are Llama-attention EAGLE-3, DFlash and P-EAGLE): "
+              "ours alone", flush=True)
+        impls = [name for name in impls if not name.startswith("specforge")]
     if args.tiny:
-        shape, device, impls = TINY, torch.device("cpu"), ["ours"]
-        args.attention = ["sdpa", "fused"]
+        shape, device, impls = replace(TINY_MLA if shape.mla else TINY, variant=args.variant), torch.device("cpu"), \
+            ["ours"]
+        args.attention = ["sdpa"] if shape.mla else ["sdpa", "fused"]
         args.seq_len = [min(length, 64) for length in args.seq_len]
         args.docs = max(args.docs, 2)
     print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch "
@@ -311,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
           f"warm-up {args.warmup}, timed {args.steps} steps", flush=True)
     flops = shape.flops_per_token(TTT)
     print(f"MFU: FLOPs/token = 3 x 2 x (TTT x (midlayer + lm_head params) + fc params) + 2 x H x (D + V) = "
-          f"{flops / 1e9:.2f} GFLOP; peak {H200_BF16_PEAK / 1e12:.1f} TFLOP/s (H200 dense BF16)", flush=True)
+          f"{flops / 1e9:.2f} GFLOP; peak {H200_BF16_PEAK / 1e12:.1f} TFLOP/s (H100/H200 SXM dense BF16)", flush=True)
     results = []
     for seq_len in args.seq_len:
         batches = random_batches(shape, seq_len, args.docs, 4, seed=0, pin=device.type == "cuda")

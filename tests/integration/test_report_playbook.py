@@ -58,3 +58,19 @@ def test_report_playbook_writes_once_then_changes_nothing_and_check_writes_nothi
     stats, stdout = play(tmp_path, "again", extravars)
     assert stats["changed"] == {}, stdout
     assert f"report: {index} (unchanged)" in stdout
+    assert "verdict: PASSED: Measured acceptance within what the training predicts" in stdout
+    assert "no check failed" not in stdout and "FAILED:" not in stdout
+
+    # A drafter that failed its evaluation: the role's message says what failed and why, not only the page.
+    evaluation = json.loads((out / "evaluation" / "evaluation.json").read_text())
+    problem = ("chain of 3, draft position 1: accepted in 2 of 100 rounds that reached it (0.020; 99 % upper bound "
+               "0.070), while the training's held-out split predicts 0.600 (the check asks for at least 0.5 of that)")
+    evaluation["verdict"].update(passed=False, problems=[problem])
+    evaluation["verdict"]["positions"][0].update(measured=0.02, upper_99=0.07, ok=False)
+    (out / "evaluation" / "evaluation.json").write_text(json.dumps(evaluation))
+    stats, stdout = play(tmp_path, "failed", extravars)
+    stdout = stdout.replace("''", "'")  # the YAML callback's quoting
+    assert "verdict: FAILED: Failed: " in stdout
+    assert ("FAILED: Measured acceptance against the training's simulation (evaluation verdict): 1 draft position of 2 "
+            "judged below 0.5 of what the training's held-out split predicts") in stdout
+    assert f"FAILED: evaluation: {problem}" in stdout

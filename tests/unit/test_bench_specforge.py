@@ -128,12 +128,17 @@ def test_draft_vocabulary_is_specforge_rule_over_the_training_split(data_dir):
     assert not identity.d2t.any() and bool(identity.t2d.all())
 
 
-def test_converted_drafter_gives_specforge_logits_at_every_ttt_step(data_dir, target, tmp_path):
+@pytest.mark.parametrize("fc_norm", [False, True], ids=["eagle3", "fc_norm"])
+def test_converted_drafter_gives_specforge_logits_at_every_ttt_step(data_dir, target, tmp_path, fc_norm):
     data, (packed,) = first_batches(data_dir, 1)
     vocab = st.specforge_vocab(SF, data, data.samples, DRAFT_VOCAB, VOCAB, 64)
     device = torch.device("cpu")
     models = st.build_models(SF, target[0], draft_vocab_size=DRAFT_VOCAB, d2t=vocab.d2t, t2d=vocab.t2d,
-                             ttt_length=TTT, attention_backend="sdpa", device=device, dtype=torch.float32, seed=0)
+                             ttt_length=TTT, attention_backend="sdpa", device=device, dtype=torch.float32, seed=0,
+                             fc_norm=fc_norm)
+    # SpecForge's EAGLE 3.1 configuration: per-aux norms before fc, exported as SGLang's fc_norm alone
+    assert (models.draft.fc_norm is not None) == fc_norm and models.drafter_config.fc_norm == fc_norm
+    assert not models.drafter_config.norm_output
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():  # away from the initial values (norms at 1): every weight matters
         for name, param in models.draft.named_parameters():
@@ -145,6 +150,8 @@ def test_converted_drafter_gives_specforge_logits_at_every_ttt_step(data_dir, ta
     drafter_dir = st.export_drafter(models, data.manifest, tmp_path / "drafter", torch.float32, "llama")
     state, config = load_export(drafter_dir)
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == DRAFT_VOCAB
+    assert bool(config.get("fc_norm")) == fc_norm and "norm_output" not in config
+    assert ("fc_norm.0.weight" in state) == fc_norm
     assert torch.equal(state["d2t"], vocab.d2t) and torch.equal(state["t2d"], vocab.t2d)
     drafter, _ = load_drafter(drafter_dir, tr.load_target_embeddings(target[0]))
     with torch.no_grad():

@@ -77,7 +77,10 @@ def bytes_per_token(model, dtype: torch.dtype) -> int:
 def plan_slots(model, max_batch_size: int, slot_tokens: int, cache_gib: float) -> tuple[int, int]:
     """(slots, tokens a slot): ``max_batch_size`` slots of ``slot_tokens`` (capped at the model's context
     length), fewer when they would take more than ``cache_gib`` GiB (0: half the GPU memory free now on
-    CUDA, 2 GiB on the CPU)."""
+    CUDA, 2 GiB on the CPU). A model that cannot decode over slots (``unsupported``: multi-latent
+    attention, say) gets none: its server keeps the transformers path."""
+    if unsupported(model) is not None:
+        return 0, int(slot_tokens)
     weight = model.get_input_embeddings().weight
     context = int(getattr(model.config, "max_position_embeddings", 0) or 0) or slot_tokens
     slot_tokens = max(1, min(int(slot_tokens), context))

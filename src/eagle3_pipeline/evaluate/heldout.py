@@ -175,6 +175,7 @@ class HeldoutSelection:
     skipped: list[str]
     training_samples: int
     longest_prompt: int | None = None  # prompt tokens allowed (``longest_prompt``); None: no limit
+    shorter: int = 0  # prompts passed over as shorter than ``min_prompt_tokens`` (not counted as excluded)
 
     def summary(self) -> dict:
         """The overlap check's record for evaluation.json."""
@@ -186,7 +187,8 @@ class HeldoutSelection:
 
 
 def select_heldout_prompts(path, renderer: ChatRenderer, data, num_prompts: int,
-                           min_prompts: int = 1, max_new_tokens: int = 0) -> HeldoutSelection:
+                           min_prompts: int = 1, max_new_tokens: int = 0,
+                           min_prompt_tokens: int = 0) -> HeldoutSelection:
     """The first ``num_prompts`` prompts of ``path`` that the drafter never saw (see the module docstring).
 
     A prompt that is in the training data (same id, or same prompt tokens as a training sample) or that
@@ -196,6 +198,8 @@ def select_heldout_prompts(path, renderer: ChatRenderer, data, num_prompts: int,
     those positions, and the extraction itself skipped such records, so when the prompts file is the
     training's own dataset these are exactly its records that did not fit, not held-out ones. Fewer than
     ``min_prompts`` left is a ``HeldoutError`` that names how many were excluded and why.
+    ``min_prompt_tokens``: only prompts of at least that many tokens (long-context measurements); the shorter
+    ones are passed over and counted in ``shorter``.
     """
     generated = _generated_ids(data)
     training_ids = {sample.id for sample in data.samples} - generated
@@ -216,6 +220,9 @@ def select_heldout_prompts(path, renderer: ChatRenderer, data, num_prompts: int,
         if not isinstance(item, HeldoutPrompt):
             selection.skipped.append(item)
             continue
+        if len(item.input_ids) < min_prompt_tokens:
+            selection.shorter += 1
+            continue
         reason = None
         if item.prefix_sha256 in by_prefix:
             reason, other = "same prompt tokens as a training sample", by_prefix[item.prefix_sha256]
@@ -232,10 +239,10 @@ def select_heldout_prompts(path, renderer: ChatRenderer, data, num_prompts: int,
         selection.prompts.append(item)
     if len(selection.prompts) < min_prompts:
         shown = "; ".join(f"{e['id']} ({e['reason']}: {e['other']})" for e in selection.excluded[:SHOWN_OVERLAPS])
+        shorter = f", {selection.shorter} shorter than {min_prompt_tokens} tokens" if selection.shorter else ""
         raise HeldoutError(
             f"{path}: only {len(selection.prompts)} usable held-out prompt(s), at least {min_prompts} needed: "
             f"{len(selection.excluded)} excluded as seen in training, repeated or too long ({shown or 'none'}), "
-            f"{len(selection.skipped)} "
-            "left out as unusable. Give a prompts file with more conversations the drafter was not trained on "
-            "(or lower the minimum)")
+            f"{len(selection.skipped)} left out as unusable{shorter}. Give a prompts file with more conversations "
+            "the drafter was not trained on (or lower the minimum)")
     return selection

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from eagle3_pipeline import __version__
 from eagle3_pipeline.checksum import file_sha256
-from eagle3_pipeline.report.checks import run_verdict
+from eagle3_pipeline.report.checks import FAIL, run_verdict
 from eagle3_pipeline.report.figures import acceptance_figure, training_figures
 from eagle3_pipeline.report.inputs import ReportInputs
 from eagle3_pipeline.report.render import Page, render_page
@@ -101,8 +101,15 @@ def _swap_in(new: Path, target: Path) -> None:
 def summary(inputs: ReportInputs) -> dict:
     """The report's headline figures, for report.json and the role's message."""
     acceptance = inputs.acceptance
+    verdict = run_verdict(inputs)
+    judged = (inputs.evaluation.record or {}).get("verdict")
+    problems = [str(p) for p in judged.get("problems") or []] if isinstance(judged, dict) else []
     return {
-        "verdict": run_verdict(inputs).word,  # PASSED, FAILED, NOT JUDGED or NOT MEASURED, as the page heads it
+        "verdict": verdict.word,  # PASSED, FAILED, NOT JUDGED or NOT MEASURED, as the page heads it
+        "sentence": verdict.sentence,
+        # What failed, each with its figures: the role prints these (a run's log then says why without the page).
+        "failed_checks": [f"{check.name}: {check.detail}" for check in verdict.checks if check.outcome == FAIL]
+        + [f"evaluation: {problem}" for problem in problems],
         "measured_tau": acceptance.measured_tau if not acceptance.reason else None,
         "simulated_tau": acceptance.simulated_tau,
         "draft_tokens": (inputs.evaluation.record or {}).get("draft_tokens"),  # the chain of both
