@@ -208,7 +208,16 @@ class Measurer:
         self.reference_s = time.perf_counter() - began
         say(f"{dtype}: the target's greedy decode by full forwards: "
             f"{sum(len(ids) for ids, _ in self.reference)} tokens in {self.reference_s:.1f} s")
+        from eagle3_pipeline.evaluate.command import measure_target_alone, speed_record  # noqa: PLC0415
+
+        # The speed a drafter is compared with: the target decoding the same prompts alone, over the same engine
+        # and batching (beside whatever else runs on the GPU then, as the drafters' own measurements are).
+        alone, _ = measure_target_alone(self.target, self.prompt_ids, args.max_new_tokens, args.eval_batch_tokens,
+                                        say=lambda _m: None)
+        self.alone = speed_record(alone)
+        say(f"{dtype}: the target alone: {self.alone['tokens_per_s']:,.0f} tokens/s")
         self.results = {"label": self.label, "dtype": dtype, "prompts": len(self.prompt_ids),
+                        "target_alone": self.alone,
                         "excluded": len(selection.excluded), "min_prompt_tokens": min_prompt_tokens,
                         "prompt_tokens": {"min": lengths[0], "median": lengths[len(lengths) // 2],
                                           "max": lengths[-1]},
@@ -231,6 +240,8 @@ class Measurer:
                           say=lambda _m: None) if self.replay else None
         training = json.loads((training_dir / "training.json").read_text())
         figures, verdict = judge_runs(runs, training, check, 0.5, replayed, args.max_new_tokens)
+        for run in figures:
+            run["speedup"] = run["tokens_per_s"] / self.alone["tokens_per_s"] if self.alone["tokens_per_s"] else None
         entry = self.results["drafters"][name] = {
             "training_dir": str(training_dir), "verdict_passed": verdict["passed"], "problems": verdict["problems"],
             "diagnosis": verdict["diagnosis"], "near_ties": check["near_ties"], "faults": check["faults"],
@@ -240,7 +251,8 @@ class Measurer:
                                                  "predicted_tau_all_tokens", "replayed",
                                                  "accepted_per_position",
                                                  "conditional_acceptance_per_position", "target_forwards",
-                                                 "tokens_generated", "decode_s", "tokens_per_s")} for run in figures],
+                                                 "tokens_generated", "decode_s", "tokens_per_s", "speedup")}
+                     for run in figures],
         }
 
         def fmt(value):
@@ -249,7 +261,8 @@ class Measurer:
         line = ", ".join(f"tau {run['tau']:.3f} at {run['draft_tokens']} (replayed "
                          f"{fmt((run['replayed'] or {}).get('tau'))}, per token "
                          f"{fmt((run['replayed'] or {}).get('per_token_tau'))}; predicted {fmt(run['predicted_tau'])}, "
-                         f"per token {fmt(run['predicted_tau_per_token'])}; {run['tokens_per_s']:,.0f} tokens/s)"
+                         f"per token {fmt(run['predicted_tau_per_token'])}; {run['tokens_per_s']:,.0f} tokens/s, "
+                         f"{fmt(run['speedup'])}x the target alone's)"
                          for run in figures)
         say(f"{self.label} {name}: {line}; outputs: {check['near_ties']} near-ties, {check['faults']} faults; "
             f"verdict {'passed' if verdict['passed'] else 'FAILED'} ({entry['measure_s']:.1f} s)")
@@ -259,8 +272,9 @@ class Measurer:
 def summary(results: dict) -> list[str]:
     """The table and the ratios."""
     lines = [f"{results.get('label', results['dtype'])}: {results['prompts']} held-out prompts",
-             f"{'drafter':<40} {'tau@3':>7} {'tau@7':>7} {'rep@3':>7} {'rep@7':>7} {'pred@3':>7} {'pred@7':>7}  "
-             "acceptance per position (chain of 7, conditional); rep: replayed from full forwards"]
+             f"{'drafter':<40} {'tau@3':>7} {'tau@7':>7} {'rep@3':>7} {'rep@7':>7} {'pred@3':>7} {'pred@7':>7} "
+             f"{'x@3':>7} {'x@7':>7}  acceptance per position (chain of 7, conditional); rep: replayed from full "
+             "forwards; x: tokens/s over the target alone's"]
     taus: dict[str, dict[int, float]] = {}
     for name, entry in results["drafters"].items():
         by_chain = {run["draft_tokens"]: run for run in entry["runs"]}
@@ -274,8 +288,8 @@ def summary(results: dict) -> list[str]:
         replayed = {chain: (run.get("replayed") or {}).get("tau") for chain, run in by_chain.items()}
         lines.append(f"{name:<40} {fmt(taus[name].get(3))} {fmt(taus[name].get(7))} {fmt(replayed.get(3))} "
                      f"{fmt(replayed.get(7))} {fmt(by_chain.get(3, {}).get('predicted_tau'))} "
-                     f"{fmt(by_chain.get(7, {}).get('predicted_tau'))}"
-                     f"  {cond}")
+                     f"{fmt(by_chain.get(7, {}).get('predicted_tau'))} {fmt(by_chain.get(3, {}).get('speedup'))} "
+                     f"{fmt(by_chain.get(7, {}).get('speedup'))}  {cond}")
 
     def mean(prefix: str, chain: int) -> float | None:
         values = [t[chain] for n, t in taus.items() if n.startswith(prefix + " ") and chain in t]

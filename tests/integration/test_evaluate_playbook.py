@@ -87,6 +87,13 @@ def test_check_mode_measures_nothing_then_a_run_measures_and_a_rerun_changes_not
         if not [m for m in result["output_mismatches"] if m["draft_tokens"] == run["draft_tokens"]]:
             assert run["replayed"]["tokens_generated"] == run["tokens_generated"]
             assert abs(run["replayed"]["target_forwards"] - run["target_forwards"]) <= run["requests"]
+    # The speed-up divides by the target decoding the same prompts alone (same engine and batches, greedy), whose
+    # outputs are checked against the full-forward decode with the drafted ones (chain 0 among the mismatches).
+    alone = result["target_alone"]
+    assert alone["target_forwards"] == alone["tokens_generated"] - 4 and alone["tokens_per_s"] > 0
+    for run in result["runs"]:
+        assert run["speedup"] == pytest.approx(run["tokens_per_s"] / alone["tokens_per_s"])
+    assert not [m for m in result["output_mismatches"] if m["draft_tokens"] == 0 and not m["near_tie"]]
     assert [check["draft_tokens"] for check in result["verdict"]["replay"]] == [3, 7]
     assert all(check["ok"] for check in result["verdict"]["replay"])
     assert result["replayed_tau"] == result["runs"][0]["replayed"]["tau"]
@@ -98,6 +105,8 @@ def test_check_mode_measures_nothing_then_a_run_measures_and_a_rerun_changes_not
                                f"replayed from full forwards {result['runs'][0]['replayed']['tau']:.2f}, "
                                f"training predicts {result['runs'][0]['predicted_tau']:.2f}"), lines
     assert lines[1].startswith("chain of 7: "), lines
+    assert f"{result['runs'][0]['speedup']:.2f}x the target alone's" in lines[0], lines
+    assert any(line.startswith("the target alone (same engine, prompts and batches, greedy): ") for line in lines)
     # Equal throughout, or parted only at float32 near-ties (two paths may order a near-tie differently).
     assert any(line.startswith("outputs against the target's own greedy decode by full forwards: ") and
                (line.endswith("all equal") or line.endswith(" 0 otherwise")) for line in lines), lines

@@ -14,6 +14,7 @@ from tiny_target import built_tiny_model
 from eagle3_pipeline.evaluate.speculative import (
     AcceptanceStats,
     EagleProposer,
+    EvaluationError,
     TargetModel,
     compare_with_reference,
     drafter_aux_layers,
@@ -191,6 +192,25 @@ def test_output_equals_target_greedy_decode_on_a_random_llama(random_target, dra
     for prompt, result, want in zip(prompts, results, random_target.greedy_reference(prompts, 40)):
         _is_greedy(random_target, prompt, result, want)
         assert sum(r.produced for r in result.rounds) == len(result.output_ids) - 1
+
+
+def test_the_target_alone_decodes_its_greedy_output_one_token_per_forward(random_target):
+    """A chain of 0: the baseline the evaluation's speed-up divides by, over the same engine, never drafting."""
+
+    class NeverCalled:
+        def __getattr__(self, name):
+            raise AssertionError(f"the proposer's {name} was called with no drafts to make")
+
+    prompts = _prompts(4)
+    stats = AcceptanceStats(0)
+    results = speculative_generate(random_target, NeverCalled(), prompts, 24, 0, ignore_eos=True)
+    for prompt, result, want in zip(prompts, results, random_target.greedy_reference(prompts, 24, ignore_eos=True)):
+        _is_greedy(random_target, prompt, result, want)
+        assert [(r.drafted, r.accepted, r.produced) for r in result.rounds] == [(0, 0, 1)] * 23
+        stats.add(result)
+    assert stats.tau == 1.0 and stats.completion_tokens == 4 * 24 and stats.rounds == 4 * 23
+    with pytest.raises(EvaluationError, match="draft_tokens"):
+        speculative_generate(random_target, None, prompts, 24, -1)
 
 
 @pytest.fixture(scope="module")

@@ -272,7 +272,8 @@ def _prepare(inputs: dict):
 
 def measure_chains(target, proposer, prompt_ids: list[list[int]], draft_tokens: list[int], max_new_tokens: int,
                    batch_tokens: int, ignore_eos: bool = False, say=_say) -> tuple[list[dict], dict]:
-    """Speculative decoding of every prompt at each chain length, in batches of similar length.
+    """Speculative decoding of every prompt at each chain length, in batches of similar length (a chain of 0: the
+    target decoding alone, ``proposer`` unused).
 
     Returns (one record per chain length: stats, decode seconds, batches, tokens/s; {chain length: the
     ``SpeculativeOutput`` of each prompt, in prompt order}).
@@ -296,13 +297,36 @@ def measure_chains(target, proposer, prompt_ids: list[list[int]], draft_tokens: 
                 results[index] = result
                 stats.add(result)
             elapsed = time.perf_counter() - began
-            say(f"chain of {chain}: {stats.requests}/{len(prompt_ids)} prompts, tau so far {stats.tau:.2f}, "
+            say(f"{_chain_name(chain)}: {stats.requests}/{len(prompt_ids)} prompts, tau so far {stats.tau:.2f}, "
                 f"{stats.completion_tokens / elapsed:,.0f} tokens/s")
         decode_s = time.perf_counter() - began
         outputs[chain] = results
         runs.append({"stats": stats, "decode_s": decode_s, "batches": len(batches),
                      "tokens_per_s": stats.completion_tokens / decode_s if decode_s else None})
     return runs, outputs
+
+
+def _chain_name(chain: int) -> str:
+    return f"chain of {chain}" if chain else "the target alone"
+
+
+def measure_target_alone(target, prompt_ids: list[list[int]], max_new_tokens: int, batch_tokens: int,
+                         ignore_eos: bool = False, say=_say) -> tuple[dict, list]:
+    """The target decoding the same prompts alone, greedy, over the same engine and batching, one token per
+    forward: the speed drafting is measured against. (its record, as ``measure_chains``'s; its outputs)"""
+    runs, outputs = measure_chains(target, None, prompt_ids, [0], max_new_tokens, batch_tokens, ignore_eos, say)
+    return runs[0], outputs[0]
+
+
+def speed_record(alone: dict | None) -> dict | None:
+    """evaluation.json's ``target_alone``: the target's own decode of the same prompts, timed."""
+    if alone is None:
+        return None
+    stats = alone["stats"]
+    return {"tokens_per_s": alone["tokens_per_s"], "decode_s": alone["decode_s"], "batches": alone["batches"],
+            "target_forwards": stats.rounds, "tokens_generated": stats.completion_tokens,
+            "method": "the same engine, prompts, batching and greedy decode, without a drafter (one token per "
+                      "target forward), timed after the chains"}
 
 
 def check_outputs(target, prompt_ids: list[list[int]], names: list[str], outputs: dict, max_new_tokens: int,
@@ -389,6 +413,8 @@ def run_reference(args, prompts, aux_layers: list[int], target_path: str) -> dic
     prompt_ids = [list(prompt.input_ids) for prompt in prompts]
     runs, outputs = measure_chains(target, EagleProposer(drafter), prompt_ids, args.draft_tokens,
                                    args.max_new_tokens, args.batch_tokens, args.ignore_eos)
+    alone, outputs[0] = measure_target_alone(target, prompt_ids, args.max_new_tokens, args.batch_tokens,
+                                             args.ignore_eos)
     check = {"checked": False, "method": None, "mismatches": [], "near_ties": 0, "faults": 0}
     replayed = None
     if args.check_outputs:
@@ -397,7 +423,7 @@ def run_reference(args, prompts, aux_layers: list[int], target_path: str) -> dic
         check = check_outputs(target, prompt_ids, [p.sample_id for p in prompts], outputs, args.max_new_tokens,
                               args.batch_tokens, args.ignore_eos, reference, time.perf_counter() - began)
         replayed = replay(target, drafter, prompt_ids, reference, args.draft_tokens, args.max_new_tokens)
-    return {"runs": runs, "check": check, "replay": replayed, "device": str(target.device),
+    return {"runs": runs, "check": check, "replay": replayed, "target_alone": alone, "device": str(target.device),
             "dtype": target.dtype_name, "decode": target.runner.decode_path}
 
 
@@ -449,9 +475,11 @@ def _summary_line(document: dict) -> str:
         predicted = run.get("predicted_tau")
         replayed = (run.get("replayed") or {}).get("tau")
         positions = "/".join(f"{value:.2f}" for value in run["conditional_acceptance_per_position"])
+        speedup = f", {run['speedup']:.2f}x the target alone's tokens/s" if run.get("speedup") else ""
         parts.append(f"chain of {run['draft_tokens']}: tau {run['tau']:.2f} (replayed from full forwards "
                      f"{'%.2f' % replayed if replayed is not None else 'n/a'}, training predicts "
-                     f"{'%.2f' % predicted if predicted is not None else 'n/a'}), acceptance per position {positions}")
+                     f"{'%.2f' % predicted if predicted is not None else 'n/a'}), acceptance per position "
+                     f"{positions}{speedup}")
     line = "acceptance length (measured): " + "; ".join(parts)
     diagnosis = (document.get("verdict") or {}).get("diagnosis")
     return f"{line}\n{diagnosis}" if diagnosis else line
@@ -526,6 +554,10 @@ def _run(args: argparse.Namespace) -> int:
     runs, verdict = judge_runs(measured["runs"], inputs["training"], check, args.min_acceptance_ratio,
                                measured.get("replay"), args.max_new_tokens)
     source = verdict["predicted_from"]
+    alone = speed_record(measured.get("target_alone"))
+    for run in runs:  # what a user gains: tokens/s with the drafter over the target decoding alone
+        run["speedup"] = (run["tokens_per_s"] / alone["tokens_per_s"]
+                          if alone and alone["tokens_per_s"] and run["tokens_per_s"] else None)
     primary = runs[0]
     simulated = (prediction_record(inputs["training"], args.max_new_tokens)[0] or {}).get("acceptance_length")
     document = {
@@ -534,7 +566,7 @@ def _run(args: argparse.Namespace) -> int:
         "runs": runs, "verdict": verdict,
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos,
         "excluded_prompts": selection.excluded, "overlap_check": selection.summary(),
-        "reference_check": check,
+        "target_alone": alone, "reference_check": check,
         "outputs_match_target": (not check["faults"]) if check["checked"] else None,
         "output_mismatches": check["mismatches"],
         "simulated_acceptance_length": simulated, "simulated_from": source,
@@ -548,7 +580,9 @@ def _run(args: argparse.Namespace) -> int:
                  "over every assistant token of the training's held-out split; replayed_tau: the same "
                  "drafter and prompts replayed from full forwards of the target's greedy decode (no cache), and "
                  "replayed.per_token_tau the replay's tokens scored per token. "
-                 "sglang_accept_length is SGLang's completion_tokens / spec_verify_ct (the prefill's token counted)."),
+                 "sglang_accept_length is SGLang's completion_tokens / spec_verify_ct (the prefill's token counted). "
+                 "speedup: tokens_per_s with the drafter / target_alone's (the same engine, prompts and batching, "
+                 "greedy, no drafter); none for the sglang engine (its server serves the drafter)."),
         "wall_s": time.time() - started, "device": measured["device"], "dtype": measured["dtype"],
         "decode": measured.get("decode"),
         "server_url": args.server_url if args.engine == "sglang" else None,
@@ -565,9 +599,13 @@ def _run(args: argparse.Namespace) -> int:
                  if m["near_tie"]][:5]
         _say(f"{check['near_ties']} output(s) differ from the target's greedy decode at a numerical near-tie "
              f"(id, chain, token, logit gap): {shown}")
+    if alone:
+        _say(f"the target alone: {alone['tokens_generated']} tokens, {alone['target_forwards']} forwards in "
+             f"{alone['batches']} batch(es), {alone['tokens_per_s'] or 0:,.1f} tokens/s")
     for run in runs:
+        speedup = f", {run['speedup']:.2f}x the target alone's" if run.get("speedup") else ""
         _say(f"chain of {run['draft_tokens']}: {run['tokens_generated']} tokens, {run['target_forwards']} verify "
-             f"forwards in {run['batches']} batch(es), {run['tokens_per_s'] or 0:,.1f} tokens/s")
+             f"forwards in {run['batches']} batch(es), {run['tokens_per_s'] or 0:,.1f} tokens/s{speedup}")
     _say(_summary_line(document))
     _say(f"written: {output_dir / RESULT_FILE}")
     for line in _verdict_lines(document):

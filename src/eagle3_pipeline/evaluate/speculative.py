@@ -541,11 +541,14 @@ def speculative_generate(target: TargetModel, proposer, prompts: list[list[int]]
 
     ``proposer`` has ``reset(batch_size)``, ``extend(aux, token_ids, positions, valid)`` (all [B, n]) and
     ``propose(k) -> target ids [B, k]`` (``EagleProposer``; tests give others, e.g. a perfect oracle).
+    ``draft_tokens`` 0: the target decodes alone over the same engine, one token per forward (``proposer`` is
+    not called; None will do): the speed drafting is compared with.
     """
     if not prompts or any(not prompt for prompt in prompts):
         raise EvaluationError("an empty prompt: nothing to decode from")
-    if max_new_tokens < 1 or draft_tokens < 1:
-        raise EvaluationError(f"max_new_tokens ({max_new_tokens}) and draft_tokens ({draft_tokens}) must be >= 1")
+    if max_new_tokens < 1 or draft_tokens < 0:
+        raise EvaluationError(f"max_new_tokens ({max_new_tokens}) must be >= 1 and draft_tokens ({draft_tokens}) "
+                              ">= 0")
     device = target.device
     stops = set() if ignore_eos else target.eos_token_ids
     batch = len(prompts)
@@ -560,8 +563,11 @@ def speculative_generate(target: TargetModel, proposer, prompts: list[list[int]]
         for b, prompt in enumerate(prompts):
             tokens[b, : lengths[b]] = torch.tensor([*prompt[1:], results[b].output_ids[0]])
         positions = torch.arange(width, device=device).expand(batch, width)
-        proposer.reset(batch)
-        proposer.extend(aux, tokens.to(device), positions, positions < torch.tensor(lengths, device=device)[:, None])
+        drafting = draft_tokens > 0
+        if drafting:
+            proposer.reset(batch)
+            proposer.extend(aux, tokens.to(device), positions,
+                            positions < torch.tensor(lengths, device=device)[:, None])
         next_position = torch.tensor(lengths, device=device)  # where each request's last output token goes
         last_token = torch.tensor([r.output_ids[0] for r in results], device=device)
         while any(active):
@@ -598,7 +604,7 @@ def speculative_generate(target: TargetModel, proposer, prompts: list[list[int]]
             state.drop(steps[None, :] <= accepted[:, None])  # the rejected drafts' slots
             # Draft extend over the verified rows: the aux of each with the token after it, which is the target's
             # choice there (an accepted draft equals it; the last one is the bonus).
-            if any(active):
+            if drafting and any(active):
                 proposer.extend(aux, choices, next_position[:, None] + steps, extend_valid.to(device))
             # A finished request stays where it is (it rides along, reading at the same positions each round):
             # its reads stay within the room its prefill asked for.

@@ -354,7 +354,8 @@ def chain_runs(record: dict) -> list[tuple]:
     """Measured against predicted at every chain length the evaluation ran (SpecForge's 3-1-4 and 7-1-8)."""
     return [(number(run.get("draft_tokens")), number(run.get("tau")), number(run.get("predicted_tau")),
              per_position(run.get("conditional_acceptance_per_position")),
-             per_position(run.get("predicted_conditional_acceptance")), number(run.get("tokens_per_s"), 1))
+             per_position(run.get("predicted_conditional_acceptance")), number(run.get("tokens_per_s"), 1),
+             f"{number(run.get('speedup'), 2)}x" if isinstance(run.get("speedup"), (int, float)) else "-")
             for run in record.get("runs") or [] if isinstance(run, dict)]
 
 
@@ -419,6 +420,10 @@ def acceptance_section(inputs: ReportInputs, page: Page) -> Section:
                      number(record["sglang_accept_length"])))
     if "tokens_per_s" in record:
         rows.append(("tokens/s with drafting", number(record.get("tokens_per_s"), 1)))
+    alone = record.get("target_alone")
+    if isinstance(alone, dict):
+        rows.append(("tokens/s of the target alone (same engine, prompts and batches, greedy, no drafter)",
+                     number(alone.get("tokens_per_s"), 1)))
     check = _reference_check(record)
     if check is not None:
         rows.append(check)
