@@ -94,6 +94,11 @@ def test_check_mode_measures_nothing_then_a_run_measures_and_a_rerun_changes_not
     for run in result["runs"]:
         assert run["speedup"] == pytest.approx(run["tokens_per_s"] / alone["tokens_per_s"])
     assert not [m for m in result["output_mismatches"] if m["draft_tokens"] == 0 and not m["near_tie"]]
+    # The target's answer tokens after the prefill's, each a draft's target, against the drafter's vocabulary.
+    reach = result["draft_vocabulary"]
+    assert reach["draft_vocab_size"] == 512 and reach["answer_tokens"] == alone["target_forwards"]
+    assert 0 <= reach["outside"] <= reach["answer_tokens"]
+    assert reach["share_outside"] == pytest.approx(reach["outside"] / reach["answer_tokens"])
     assert [check["draft_tokens"] for check in result["verdict"]["replay"]] == [3, 7]
     assert all(check["ok"] for check in result["verdict"]["replay"])
     assert result["replayed_tau"] == result["runs"][0]["replayed"]["tau"]

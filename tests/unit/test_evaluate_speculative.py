@@ -15,6 +15,7 @@ from eagle3_pipeline.evaluate.speculative import (
     AcceptanceStats,
     EagleProposer,
     EvaluationError,
+    SpeculativeOutput,
     TargetModel,
     compare_with_reference,
     drafter_aux_layers,
@@ -211,6 +212,18 @@ def test_the_target_alone_decodes_its_greedy_output_one_token_per_forward(random
     assert stats.tau == 1.0 and stats.completion_tokens == 4 * 24 and stats.rounds == 4 * 23
     with pytest.raises(EvaluationError, match="draft_tokens"):
         speculative_generate(random_target, None, prompts, 24, -1)
+
+
+def test_the_draft_vocabularys_reach_counts_the_answer_tokens_it_cannot_draft():
+    from eagle3_pipeline.evaluate.command import draft_vocabulary_reach
+
+    inside = torch.zeros(10, dtype=torch.bool)
+    inside[[1, 2, 5]] = True
+    outputs = [SpeculativeOutput([9, 1, 2, 7], []), SpeculativeOutput([3, 5], []), SpeculativeOutput([4], [])]
+    # The prefill's first token (9, 3, 4) is never a draft's target; of 1, 2, 7, 5 only 7 is outside.
+    assert draft_vocabulary_reach(inside, outputs) == {"draft_vocab_size": 3, "answer_tokens": 4, "outside": 1,
+                                                       "share_outside": 0.25}
+    assert draft_vocabulary_reach(inside, [SpeculativeOutput([4], [])])["share_outside"] is None
 
 
 @pytest.fixture(scope="module")

@@ -329,6 +329,17 @@ def speed_record(alone: dict | None) -> dict | None:
                       "target forward), timed after the chains"}
 
 
+def draft_vocabulary_reach(in_draft_vocab, outputs: list) -> dict:
+    """How many of the target's own answer tokens the drafter could draft at all: every output token after the
+    prefill's (each is a draft's target) inside the draft vocabulary (``in_draft_vocab``: the drafter's ``t2d``,
+    [V] bool). A token outside it is rejected at any position however well the drafter is trained."""
+    tokens = [token for result in outputs for token in result.output_ids[1:]]
+    inside = in_draft_vocab.detach().cpu().tolist()
+    outside = sum(1 for token in tokens if not inside[token])
+    return {"draft_vocab_size": sum(inside), "answer_tokens": len(tokens), "outside": outside,
+            "share_outside": outside / len(tokens) if tokens else None}
+
+
 def check_outputs(target, prompt_ids: list[list[int]], names: list[str], outputs: dict, max_new_tokens: int,
                   batch_tokens: int, ignore_eos: bool = False, reference=None, reference_s: float = 0.0,
                   say=_say) -> dict:
@@ -423,8 +434,13 @@ def run_reference(args, prompts, aux_layers: list[int], target_path: str) -> dic
         check = check_outputs(target, prompt_ids, [p.sample_id for p in prompts], outputs, args.max_new_tokens,
                               args.batch_tokens, args.ignore_eos, reference, time.perf_counter() - began)
         replayed = replay(target, drafter, prompt_ids, reference, args.draft_tokens, args.max_new_tokens)
-    return {"runs": runs, "check": check, "replay": replayed, "target_alone": alone, "device": str(target.device),
-            "dtype": target.dtype_name, "decode": target.runner.decode_path}
+    reach = draft_vocabulary_reach(drafter.t2d, outputs[0])
+    if reach["answer_tokens"]:
+        _say(f"draft vocabulary ({reach['draft_vocab_size']:,} tokens): {reach['outside']} of the target's "
+             f"{reach['answer_tokens']} answer tokens ({reach['share_outside']:.1%}) are outside it and can never "
+             "be drafted")
+    return {"runs": runs, "check": check, "replay": replayed, "target_alone": alone, "draft_vocabulary": reach,
+            "device": str(target.device), "dtype": target.dtype_name, "decode": target.runner.decode_path}
 
 
 def run_sglang(args, prompts) -> dict:
@@ -566,7 +582,7 @@ def _run(args: argparse.Namespace) -> int:
         "runs": runs, "verdict": verdict,
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos,
         "excluded_prompts": selection.excluded, "overlap_check": selection.summary(),
-        "target_alone": alone, "reference_check": check,
+        "target_alone": alone, "draft_vocabulary": measured.get("draft_vocabulary"), "reference_check": check,
         "outputs_match_target": (not check["faults"]) if check["checked"] else None,
         "output_mismatches": check["mismatches"],
         "simulated_acceptance_length": simulated, "simulated_from": source,

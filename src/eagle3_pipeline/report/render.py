@@ -420,6 +420,12 @@ def acceptance_section(inputs: ReportInputs, page: Page) -> Section:
                      number(record["sglang_accept_length"])))
     if "tokens_per_s" in record:
         rows.append(("tokens/s with drafting", number(record.get("tokens_per_s"), 1)))
+    reach = record.get("draft_vocabulary")
+    if isinstance(reach, dict) and isinstance(reach.get("share_outside"), (int, float)):
+        size = number(reach.get("draft_vocab_size"))
+        rows.append((f"the target's answer tokens outside the draft vocabulary of {size} (never draftable)",
+                     f"{number(reach.get('outside'))} of {number(reach.get('answer_tokens'))} "
+                     f"({reach['share_outside']:.1%})"))
     alone = record.get("target_alone")
     if isinstance(alone, dict):
         rows.append(("tokens/s of the target alone (same engine, prompts and batches, greedy, no drafter)",
