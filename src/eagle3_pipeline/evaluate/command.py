@@ -326,7 +326,7 @@ def speed_record(alone: dict | None) -> dict | None:
     return {"tokens_per_s": alone["tokens_per_s"], "decode_s": alone["decode_s"], "batches": alone["batches"],
             "target_forwards": stats.rounds, "tokens_generated": stats.completion_tokens,
             "method": "the same engine, prompts, batching and greedy decode, without a drafter (one token per "
-                      "target forward), timed after the chains"}
+                      "target forward)"}
 
 
 def draft_vocabulary_reach(in_draft_vocab, outputs: list) -> dict:
@@ -424,6 +424,7 @@ def run_reference(args, prompts, aux_layers: list[int], target_path: str) -> dic
     prompt_ids = [list(prompt.input_ids) for prompt in prompts]
     runs, outputs = measure_chains(target, EagleProposer(drafter), prompt_ids, args.draft_tokens,
                                    args.max_new_tokens, args.batch_tokens, args.ignore_eos)
+    # After the chains: the first chain pays any warm-up, never the baseline it is divided by.
     alone, outputs[0] = measure_target_alone(target, prompt_ids, args.max_new_tokens, args.batch_tokens,
                                              args.ignore_eos)
     check = {"checked": False, "method": None, "mismatches": [], "near_ties": 0, "faults": 0}
