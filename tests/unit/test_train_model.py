@@ -320,6 +320,52 @@ def test_teacher_soft_targets_and_masks_on_a_hand_made_example():
     assert teacher.step_argmax(1)[0].tolist()[3:] == [2, -1, -1]
 
 
+def test_a_teacher_temperature_below_one_sharpens_the_soft_targets_and_keeps_the_top_1():
+    sharp, logits = hand_teacher_at(0.5)
+    plain, _ = hand_teacher()
+    torch.testing.assert_close(sharp.probs[0], torch.softmax(2.0 * logits[0][:, [1, 3, 4]], dim=-1))
+    assert torch.equal(sharp.argmax, plain.argmax) and torch.equal(sharp.in_draft, plain.in_draft)
+    # Every row's top-1 gains probability; the rest loses it.
+    rows = torch.arange(6)
+    assert bool((sharp.probs[0][rows, plain.probs[0].argmax(-1)] >= plain.probs[0][rows, plain.probs[0].argmax(-1)]
+                 ).all())
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="temperature must be positive"):
+            hand_teacher_at(bad)
+
+
+def hand_teacher_at(temperature: float):
+    teacher, logits = hand_teacher()
+    return teacher_targets(logits, torch.eye(6), teacher_t2d(), torch.tensor([1, 2, 2]), torch.ones(1, 6),
+                           temperature=temperature), logits
+
+
+def teacher_t2d() -> torch.Tensor:
+    return torch.tensor([False, True, False, True, True, False])
+
+
+def test_the_drafter_starts_from_the_targets_head_rows_of_its_draft_vocabulary():
+    model = tiny_drafter()
+    target_head = torch.randn(V, H)
+    final_norm = torch.linspace(0.5, 1.5, H)
+    model.load_target_head(target_head, final_norm)
+    # Draft id d is target id d + d2t[d]: the drafter's logit d is the target's logit of that token.
+    target_ids = model.d2t + torch.arange(DRAFT)
+    assert sorted(target_ids.tolist()) == torch.nonzero(model.t2d).flatten().tolist()
+    torch.testing.assert_close(model.lm_head.weight, target_head[target_ids])
+    torch.testing.assert_close(model.norm.weight, final_norm)
+    state = torch.randn(5, H)
+    torch.testing.assert_close(model.logits(state), (rms_norm_ref(state) * final_norm) @ target_head[target_ids].t())
+    with pytest.raises(DrafterConfigError, match="cannot start from it"):
+        model.load_target_head(torch.randn(V, H + 1), None)
+    with pytest.raises(DrafterConfigError, match="final norm has shape"):
+        model.load_target_head(target_head, torch.ones(H + 1))
+
+
+def rms_norm_ref(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def test_teacher_masks_stop_at_a_packed_sample_boundary():
     teacher, _ = hand_teacher()
     teacher.doc_ids = torch.tensor([[0, 0, 0, 0, 1, 1]])

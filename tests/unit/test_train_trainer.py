@@ -139,6 +139,43 @@ def test_an_eagle3_1_drafter_trains_exports_for_sglang_and_drafts_as_it_trained(
     assert again["steps"] == 3 and "fc_norm" not in json.loads((tmp_path / "drafter" / ex.CONFIG_FILE).read_text())
 
 
+def test_the_drafter_starts_from_the_targets_lm_head_and_final_norm(data_dir, target_dir, tmp_path):
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+    path, model = target_dir
+    target = tmp_path / "target"  # the same target, with a final norm that is not all ones so that its copy shows
+    shutil.copytree(path, target)
+    weights = load_file(target / "model.safetensors")
+    weights["model.norm.weight"] = torch.linspace(0.5, 1.5, HIDDEN)
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+
+    def exported_head(out, **overrides):  # one step at a learning rate too small to move anything measurably
+        tr.train(config(data_dir, out, target_model_path=str(target), max_steps=1, lr=1e-12, warmup_steps=0,
+                        **overrides))
+        state, _ = ex.load_export(out / "drafter")
+        ids = state["d2t"] + torch.arange(state["d2t"].numel())
+        return state, model.lm_head.weight.detach()[ids]
+
+    state, rows = exported_head(tmp_path / "target-head", head_init="target", teacher_temperature=0.5)
+    torch.testing.assert_close(state["lm_head.weight"], rows, atol=1e-6, rtol=0)
+    torch.testing.assert_close(state["norm.weight"], torch.linspace(0.5, 1.5, HIDDEN), atol=1e-6, rtol=0)
+    record = json.loads((tmp_path / "target-head" / tr.TRAINING_FILE).read_text())
+    assert (record["config"]["head_init"], record["config"]["teacher_temperature"]) == ("target", 0.5)
+    state, rows = exported_head(tmp_path / "random-head")  # the default: EAGLE-3's and SpecForge's start
+    assert (state["lm_head.weight"] - rows).abs().max() > 0.1 and torch.equal(state["norm.weight"],
+                                                                              torch.ones(HIDDEN))
+    record = json.loads((tmp_path / "random-head" / tr.TRAINING_FILE).read_text())
+    assert (record["config"]["head_init"], record["config"]["teacher_temperature"]) == ("random", 1.0)
+    # A run of the other recipe is another drafter: not resumed, and the message says what changed.
+    with pytest.raises(tr.TrainConfigError, match="head_init 'random' -> 'target'"):
+        tr.train(config(data_dir, tmp_path / "random-head", target_model_path=str(target), max_steps=2, lr=1e-12,
+                        head_init="target"))
+    with pytest.raises(tr.TrainConfigError, match="head_init must be one of target, random"):
+        config(data_dir, tmp_path, head_init="zeros")
+    with pytest.raises(tr.TrainConfigError, match="teacher_temperature must be a positive number"):
+        config(data_dir, tmp_path, teacher_temperature=0)
+
+
 @pytest.fixture(scope="module")
 def deepseek_data_dir(tmp_path_factory):
     target = build_target(tmp_path_factory.mktemp("deepseek-v3") / "target", deepseek=True)

@@ -30,6 +30,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from eagle3_pipeline.cli_args import path_str, positive_int
+from eagle3_pipeline.train.recipe import DEFAULT_HEAD_INIT, DEFAULT_TEACHER_TEMPERATURE, HEAD_INITS
 from eagle3_pipeline.train.variants import DEFAULT_VARIANT, VARIANTS
 
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 4
@@ -56,6 +57,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="the drafter: eagle3, or eagle3.1 (an RMSNorm per aux state before fc, and the next draft step reading "
         "the normed state; SGLang's fc_norm and norm_output)")
     add("--norm-before-fc", action="store_true", help="one RMSNorm over the concatenated aux states before fc")
+    add("--head-init", choices=HEAD_INITS, default=DEFAULT_HEAD_INIT,
+        help="how the drafter's lm_head and final norm start: the target's own (its lm_head rows of the draft "
+        "vocabulary and its final norm; a drafter as wide as its target), or random")
     add("--layout", choices=("auto", "llama", "mla"), default="auto",
         help="the drafter's attention: auto (multi-latent attention for an MLA target such as Kimi-K2.x or "
         "DeepSeek-V3, served as SGLang's Eagle3DeepseekV2ForCausalLM; else Llama's), llama or mla")
@@ -63,6 +67,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--max-steps", type=positive_int, help="stop after this many optimizer steps (the schedule is unchanged)")
     add("--lr", type=float, default=1e-4, help="peak learning rate")
     add("--warmup-steps", type=int, default=0)
+    add("--teacher-temperature", type=float, default=DEFAULT_TEACHER_TEMPERATURE,
+        help="the target's logits are divided by this before their softmax makes the soft targets; below 1 they "
+        "lean toward the target's top-1, the token a greedy verify accepts")
     add("--weight-decay", type=float, default=0.0)
     add("--grad-clip", type=float, default=0.5, help="gradient norm clip (0: none)")
     add("--batch-tokens", type=positive_int, help="tokens per packed batch per process (default: by the drafter's "

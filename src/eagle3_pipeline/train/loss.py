@@ -72,6 +72,7 @@ def teacher_targets(
     loss_mask: torch.Tensor,
     doc_ids: torch.Tensor | None = None,
     chunk_rows: int | None = None,
+    temperature: float = 1.0,
 ) -> TeacherTargets:
     """The target's soft targets over the draft vocabulary from its stored last hidden states.
 
@@ -80,7 +81,11 @@ def teacher_targets(
     ``loss_mask`` [B, T]. Rows are done ``chunk_rows`` at a time (default: as many as keep the
     full-vocabulary logits of a chunk within 128 MiB). Only the draft-vocabulary logits are kept, in the
     matmul's dtype (exact: that is the dtype the matmul produced); ``probs`` is their softmax in float32.
+    ``temperature`` divides them: below 1 the soft targets lean toward the target's top-1, the token a greedy
+    verify accepts (the top-1 itself, ``argmax``, does not change).
     """
+    if not temperature > 0:
+        raise ValueError(f"teacher temperature must be positive, got {temperature!r}")
     batch, length, hidden = last_hidden.shape
     if target_lm_head.dim() != 2 or target_lm_head.shape[1] != hidden or target_lm_head.shape[0] != t2d.numel():
         raise ValueError(f"target lm_head {tuple(target_lm_head.shape)} does not fit hidden size {hidden} and "
@@ -97,6 +102,8 @@ def teacher_targets(
         logits = F.linear(rows[start:start + chunk_rows].to(target_lm_head.dtype), target_lm_head)  # [n, V]
         top[start:start + chunk_rows] = logits.argmax(-1)  # the same as on float32 copies: the cast is monotonic
         draft_logits[start:start + chunk_rows] = logits[:, draft_ids]
+    if temperature != 1.0:
+        draft_logits.div_(temperature)
     top = top.view(batch, length)
     return TeacherTargets(
         logits=draft_logits.view(batch, length, -1),

@@ -402,6 +402,23 @@ class Eagle3Drafter(nn.Module):
                                      f"{tuple(self.embed_tokens.weight.shape)} (vocab_size, hidden_size)")
         self.embed_tokens.weight.copy_(weight)
 
+    @torch.no_grad()
+    def load_target_head(self, lm_head: torch.Tensor, final_norm: torch.Tensor | None) -> None:
+        """Start the drafter's output where the target's is: ``lm_head`` gets the target's lm_head [V, H] rows of the
+        draft vocabulary (draft id d is target id d + d2t[d]), ``norm`` the target's final norm [H] when given.
+        The drafter then predicts through the target's own output map and only has to learn the state to feed it."""
+        if lm_head.dim() != 2 or tuple(lm_head.shape) != (self.config.vocab_size, self.config.hidden_size):
+            raise DrafterConfigError(f"the target's lm_head has shape {tuple(lm_head.shape)}, the drafter's head "
+                                     f"needs [{self.config.vocab_size}, {self.config.hidden_size}] (vocab_size, "
+                                     "hidden_size): a drafter narrower than its target cannot start from it")
+        target_ids = self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+        self.lm_head.weight.copy_(lm_head[target_ids.to(lm_head.device)].to(self.lm_head.weight))
+        if final_norm is not None:
+            if tuple(final_norm.shape) != tuple(self.norm.weight.shape):
+                raise DrafterConfigError(f"the target's final norm has shape {tuple(final_norm.shape)}, the "
+                                         f"drafter's is {tuple(self.norm.weight.shape)}")
+            self.norm.weight.copy_(final_norm.to(self.norm.weight))
+
     def normed_aux(self, aux: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """What ``fc`` reads [.., n*T]: the aux states, through EAGLE 3.1's norms when the drafter has them, in
         ``dtype`` (default the aux states')."""

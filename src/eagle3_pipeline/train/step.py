@@ -128,7 +128,7 @@ class StepRunner:
 
     def __init__(self, model: Eagle3Drafter, lm_head: torch.Tensor, *, ttt_length: int, device: torch.device,
                  dtype: str = "float32", parallel: str = "ddp", attention: str = "auto", compile: bool | None = None,
-                 mlp_recompute_steps: int | None = None, embeddings: str = "auto"):
+                 mlp_recompute_steps: int | None = None, embeddings: str = "auto", teacher_temperature: float = 1.0):
         if attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {attention!r}")
         if embeddings not in EMBEDDING_PLACES:
@@ -138,6 +138,7 @@ class StepRunner:
             raise ValueError("attention 'fused' does not run under FSDP (use parallel 'ddp' or attention 'sdpa')")
         self.model = model
         self.lm_head = lm_head
+        self.teacher_temperature = teacher_temperature
         self.ttt_length = ttt_length
         self.device = device
         self.dtype = dtype
@@ -171,7 +172,7 @@ class StepRunner:
     def teacher(self, batch: PackedBatch) -> TeacherTargets:
         batch = batch.dequantized()  # float8 states (a batch not moved by ``forward``): where they are
         return teacher_targets(batch.last_hidden[None], self.lm_head, self.model.t2d, self.model.d2t,
-                               batch.loss_mask[None], batch.doc_ids[None])
+                               batch.loss_mask[None], batch.doc_ids[None], temperature=self.teacher_temperature)
 
     def forward(self, batch: PackedBatch, *, training: bool = True,
                 denominators: torch.Tensor | None = None) -> tuple[TTTLoss, TTTMetrics]:

@@ -80,6 +80,7 @@ from eagle3_pipeline.train.data import (
 )
 from eagle3_pipeline.train.loss import TTTMetrics
 from eagle3_pipeline.train.model import LAYOUTS, DrafterConfig, Eagle3Drafter
+from eagle3_pipeline.train.recipe import DEFAULT_HEAD_INIT, DEFAULT_TEACHER_TEMPERATURE, HEAD_INITS
 from eagle3_pipeline.train.step import PARALLEL_MODES, StepRunner, all_reduce, distributed
 from eagle3_pipeline.train.variants import DEFAULT_VARIANT, VARIANTS
 from eagle3_pipeline.train.vocab import VocabError, build_draft_vocab, load_token_counts, resolve_draft_vocab_size
@@ -102,12 +103,14 @@ CHARTS_DIR = "charts"
 # Settings that decide what a finished run exports: the same ones over the same data -> nothing to do.
 FINGERPRINT_FIELDS = ("target_model_path", "draft_vocab_size", "ttt_length", "epochs", "max_steps", "lr",
                       "warmup_steps", "weight_decay", "grad_clip", "batch_tokens", "eval_ratio", "seed", "dtype",
-                      "variant", "norm_before_fc", "layout", *SHAPE_OVERRIDES)
+                      "variant", "norm_before_fc", "layout", "head_init", "teacher_temperature",
+                      *SHAPE_OVERRIDES)
 # Settings a resumed run must share with the checkpoint, or its data order / model differ.
 RESUME_FIXED = ("seed", "batch_tokens", "eval_ratio", "ttt_length", "draft_vocab_size", "world", "variant",
-                "norm_before_fc", "layout")
-# What a checkpoint written before a setting was recorded had (variants and layouts came later: eagle3, llama).
-FIXED_BEFORE = {"variant": DEFAULT_VARIANT, "norm_before_fc": False, "layout": "llama"}
+                "norm_before_fc", "layout", "head_init")
+# What a checkpoint written before a setting was recorded had (variants, layouts and the head's start came later).
+FIXED_BEFORE = {"variant": DEFAULT_VARIANT, "norm_before_fc": False, "layout": "llama", "head_init": "random"}
+
 
 
 class TrainConfigError(ValueError):
@@ -146,6 +149,10 @@ class TrainConfig:
     norm_before_fc: bool = False
     # The attention: auto (MLA for a target with multi-latent attention, e.g. Kimi-K2.x; else Llama's), llama, mla.
     layout: str = "auto"
+    # The recipe (train/recipe.py): the lm_head and final norm at step 0, target's or random; the soft targets'
+    # temperature (below 1: leaning toward the target's top-1).
+    head_init: str = DEFAULT_HEAD_INIT
+    teacher_temperature: float = DEFAULT_TEACHER_TEMPERATURE
     # The drafter's shape; None: the target's (see DrafterConfig.from_target).
     hidden_size: int | None = None
     num_attention_heads: int | None = None
@@ -165,7 +172,7 @@ class TrainConfig:
             _check_int(name, getattr(self, name), 1)
         for name in ("warmup_steps", "seed", "checkpoint_every", "eval_opening_tokens"):
             _check_int(name, getattr(self, name), 0)
-        for name, low in (("lr", None), ("weight_decay", 0.0), ("grad_clip", 0.0)):
+        for name, low in (("lr", None), ("weight_decay", 0.0), ("grad_clip", 0.0), ("teacher_temperature", None)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
                     or (value <= 0 if low is None else value < low):
@@ -178,6 +185,8 @@ class TrainConfig:
             raise TrainConfigError(f"dtype must be auto or one of {DTYPES}, got {self.dtype!r}")
         if self.layout not in ("auto", *LAYOUTS):
             raise TrainConfigError(f"layout must be auto or one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if self.head_init not in HEAD_INITS:
+            raise TrainConfigError(f"head_init must be one of {', '.join(HEAD_INITS)}, got {self.head_init!r}")
         if self.variant not in VARIANTS:
             raise TrainConfigError(f"variant must be one of {', '.join(VARIANTS)}, got {self.variant!r}")
         if self.parallel not in PARALLEL_MODES:
@@ -218,6 +227,27 @@ def load_target_embeddings(model_path: str | Path) -> torch.Tensor:
     if len(names) != 1:
         raise TrainConfigError(f"target_model_path {model_path}: expected one embed_tokens weight, "
                                f"found {names or 'none'}")
+    return read_tensor(model_path, weights, names[0]).float()
+
+
+def load_target_final_norm(model_path: str | Path, target_config: dict) -> torch.Tensor | None:
+    """The target's final RMSNorm weight [H] (float32), or None where it cannot serve the drafter's ``norm``: no
+    single such tensor (the reason is printed), or a Gemma-style norm that scales by 1 + weight."""
+    from eagle3_pipeline.models.weights import read_tensor, weight_map  # noqa: PLC0415
+
+    if "gemma" in str(target_config.get("model_type", "")).lower():
+        print("eagle3 train: the target's final norm scales by 1 + weight (Gemma); the drafter's norm starts at 1",
+              flush=True)
+        return None
+    weights = weight_map(model_path)
+    names = [n for n in weights if (n == "norm.weight" or n.endswith(".norm.weight")) and "layers." not in n
+             and not any(part in n for part in ("vision", "visual", "mm_projector", "mtp"))]
+    if len(names) > 1:  # multimodal checkpoints: the language model's
+        names = [n for n in names if "language_model" in n] or names
+    if len(names) != 1:
+        print(f"eagle3 train: no single final norm among the target's tensors ({names or 'none'}); the drafter's "
+              "norm starts at 1", flush=True)
+        return None
     return read_tensor(model_path, weights, names[0]).float()
 
 
@@ -588,8 +618,11 @@ def make_plan(cfg: TrainConfig, world: int | None = None) -> Plan:
     limit = min(total, cfg.max_steps) if cfg.max_steps is not None else total
     fixed = {"seed": cfg.seed, "batch_tokens": cfg.batch_tokens, "eval_ratio": cfg.eval_ratio,
              "ttt_length": cfg.ttt_length, "draft_vocab_size": draft_size, "world": world, "variant": cfg.variant,
-             "norm_before_fc": cfg.norm_before_fc, "layout": drafter_config.layout}
+             "norm_before_fc": cfg.norm_before_fc, "layout": drafter_config.layout, "head_init": cfg.head_init}
     settings = {name: getattr(cfg, name) for name in FINGERPRINT_FIELDS}
+    for name, default in (("head_init", DEFAULT_HEAD_INIT), ("teacher_temperature", DEFAULT_TEACHER_TEMPERATURE)):
+        if settings[name] == default:  # EAGLE-3's recipe keeps the fingerprint it had before these options existed
+            del settings[name]
     settings.update(target_model_path=str(target_path.resolve()), draft_vocab_size=draft_size, dtype=dtype,
                     world=world, data=_file_digest(Path(cfg.data_dir) / "data_config.json"))
     fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
@@ -732,6 +765,15 @@ def train(cfg: TrainConfig) -> dict:
     else:
         model.load_target_embeddings(load_target_embeddings(plan.target_path))
     frozen = [] if own_embeddings else ["embed_tokens.weight"]
+    # The teacher's lm_head (the target's), read once: it also starts the drafter's head (head_init: target).
+    lm_head = load_lm_head(plan.target_path, "cpu" if device.type == "cpu" else str(device))
+    if cfg.head_init == "target":
+        if own_embeddings:
+            if rank == 0:
+                print("eagle3 train: head_init target needs the drafter as wide as the target; its lm_head and norm "
+                      "start at random", flush=True)
+        else:
+            model.load_target_head(lm_head, load_target_final_norm(plan.target_path, plan.target_config))
     step, data_state, resumed_from, optimizer_state = 0, DataState(), None, None
     found = newest_checkpoint(out_dir) if cfg.resume else None
     if found is not None:
@@ -755,9 +797,8 @@ def train(cfg: TrainConfig) -> dict:
             raise TrainConfigError(f"the processes found different checkpoints in {out_dir} (steps {-int(seen[1])} "
                                    f"to {int(seen[0])}): output_dir must be one directory shared by every node")
     model.to(device)
-    lm_head = load_lm_head(plan.target_path, "cpu" if device.type == "cpu" else str(device))
     runner = StepRunner(model, lm_head, ttt_length=cfg.ttt_length, device=device, dtype=plan.dtype,
-                        parallel=cfg.parallel)
+                        parallel=cfg.parallel, teacher_temperature=cfg.teacher_temperature)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if optimizer_state is not None:

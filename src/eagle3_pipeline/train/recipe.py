@@ -1,0 +1,21 @@
+"""Two departures from EAGLE-3's and SpecForge's training recipe, as options; the defaults are EAGLE-3's.
+
+Neither changes the exported drafter or what serving it costs:
+
+- ``head_init: target``: the drafter's ``lm_head`` and final ``norm`` start as the target's own (its lm_head
+  rows of the draft vocabulary, its final norm), so that the drafter predicts through the target's output map
+  from the first step. The default, ``random``, is how SpecForge starts them. A drafter narrower or wider than
+  its target cannot take the target's (its head starts at random, said in the log).
+- ``teacher_temperature``: the soft targets are the softmax of the target's draft-vocabulary logits divided by
+  this. Below 1 they lean toward the target's top-1, which is the one token a greedy verify accepts. The
+  default, 1, is EAGLE-3's plain distillation. The top-1 itself, and so every accuracy and the walked
+  prediction, do not depend on it.
+
+Measured on SmolLM2/ShareGPT against the defaults, both seeds and SpecForge's trainer on the same stored
+states (docs/benchmarks.md, "Two recipe changes against EAGLE-3's"): neither served more than the spread of
+the seeds, so the defaults stay.
+"""
+
+HEAD_INITS = ("target", "random")
+DEFAULT_HEAD_INIT = "random"
+DEFAULT_TEACHER_TEMPERATURE = 1.0
