@@ -100,6 +100,23 @@ class FakeGpu:
     errors: dict = field(default_factory=dict)  # pynvml function name -> NVML error code it fails with
     changes: dict = field(default_factory=dict)
     memory_reads: int = 0
+    # As the driver does: a compute process's memory is freed when the process is gone (or a zombie).
+    freed_on_exit: bool = False
+
+    def reap(self) -> None:
+        if not self.freed_on_exit:
+            return
+        alive = [(pid, mib) for pid, mib in self.compute if _alive(pid)]
+        self.used_mib -= sum(mib or 0 for pid, mib in self.compute if (pid, mib) not in alive)
+        self.compute = alive
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open("/proc/%d/stat" % pid) as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X", "x")
+    except OSError:
+        return False
 
 
 class FakeHandle:
@@ -181,6 +198,7 @@ class FakeNvml:
         gpu.memory_reads += 1
         for name, value in gpu.changes.get(gpu.memory_reads, {}).items():
             setattr(gpu, name, value)
+        gpu.reap()
         total, used, reserved = gpu.total_mib * MIB, gpu.used_mib * MIB, gpu.reserved_mib * MIB
         if not version:
             return MemoryV1(total=total, free=total - used - reserved, used=used + reserved)
@@ -188,6 +206,7 @@ class FakeNvml:
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle):
         gpu = self._gpu(handle, "nvmlDeviceGetComputeRunningProcesses")
+        gpu.reap()
         return [FakeProcess(pid, None if mib is None else mib * MIB) for pid, mib in gpu.compute]
 
     def nvmlDeviceGetGraphicsRunningProcesses(self, handle):

@@ -293,6 +293,50 @@ def test_gpu_processes_stops_a_holder_nvml_lists(install_nvml, spawn, tmp_path, 
     assert fake.initialised == 0
 
 
+def test_gpu_reset_over_four_gpus_stops_each_selectable_holder_and_verifies_every_gpu(install_nvml, spawn, tmp_path,
+                                                                                      tag, capsys):
+    # A host's GPUs held at once, as the seeds' 8-GPU host is after a run: the same rules on every GPU.
+    polite = spawn("--tag", tag)  # GPU 0: leaves on SIGTERM
+    tp_server = spawn("--tag", tag, new_session=True)  # GPUs 0 and 3: one process over two GPUs, its own group
+    stubborn = spawn("--tag", tag, "--ignore-term")  # GPU 1: needs SIGKILL after the grace
+    kept = spawn("--tag", tag + "-persistenced")  # GPU 2: protected
+    stranger = spawn("--tag", "unrelated%d" % os.getpid())  # GPU 3: not selected by the match
+    install_nvml([
+        FakeGpu(minor=0, used_mib=3000, compute=[(polite.pid, 1000), (tp_server.pid, 2000)], freed_on_exit=True),
+        FakeGpu(uuid="GPU-1", minor=1, used_mib=1000, compute=[(stubborn.pid, 1000)], freed_on_exit=True),
+        FakeGpu(uuid="GPU-2", minor=2, used_mib=500, compute=[(kept.pid, 500)], freed_on_exit=True),
+        FakeGpu(uuid="GPU-3", minor=3, used_mib=2700, compute=[(tp_server.pid, 2000), (stranger.pid, 700)],
+                freed_on_exit=True),
+    ])
+    unheld = tmp_path / "nvidia-unheld"
+    unheld.write_bytes(b"")
+    args = {"state": "absent", "device_paths": [str(unheld)], "match": [tag], "protect": ["persistenced"],
+            "use_nvml": "always", "grace_s": 1, "kill_wait_s": 5}
+    rc, result = run_module(gpu_processes, args, capsys)
+    assert rc == 0, result.get("msg")
+    stopped = {record["pid"]: (record["gpus"], record["signal"]) for record in result["stopped"]}
+    assert stopped == {polite.pid: ([0], "SIGTERM"), tp_server.pid: ([0, 3], "SIGTERM"),
+                       stubborn.pid: ([1], "SIGKILL")}
+    assert not any(running(child.key) for child in (polite, tp_server, stubborn))
+    assert running(kept.key) and running(stranger.key)
+    left = {record["pid"]: record for record in result["left"]}
+    assert set(left) >= {kept.pid, stranger.pid}
+    assert "protected" in str(left[kept.pid]) and "persistenced" in str(left[kept.pid])
+
+    # Zero memory verified on each GPU the holders left; the two still held are named, each with its holder.
+    rc, result = run_module(gpu_wait_free, {"gpus": [0, 1], "timeout_s": 5.0, "poll_s": 0.05}, capsys)
+    assert rc == 0, result.get("msg")
+    assert [(gpu["index"], gpu["memory_used_mib"], gpu["free"]) for gpu in result["gpus"]] == [(0, 0, True),
+                                                                                             (1, 0, True)]
+    rc, result = run_module(gpu_wait_free, {"timeout_s": 0.5, "poll_s": 0.05, "protect": ["persistenced"]}, capsys)
+    assert rc == 1
+    message = result["msg"]
+    assert "GPU 0 " not in message and "GPU 1 " not in message
+    assert "GPU 2 holds 500 MiB" in message and "PID %d" % kept.pid in message and "protected" in message
+    assert "GPU 3 holds 700 MiB" in message and "PID %d" % stranger.pid in message
+    assert [gpu["free"] for gpu in result["gpus"]] == [True, True, False, False]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
