@@ -114,3 +114,25 @@ def test_the_serving_refusals_name_real_flags_and_allow_the_rest(llama_dir):
     args = _parse(_argv(llama_dir, extra_args=extra)[3:])
     assert args.mem_fraction_static == 0.85 and args.chunked_prefill_size == 8192
     assert args.cuda_graph_max_bs_decode == 256
+
+
+@pytest.mark.parametrize("purpose", ["capture", "serve"])
+def test_replicas_over_a_hosts_gpus_reach_sglang_with_the_capture_intact(llama_dir, tmp_path, purpose):
+    # sglang_server_dp_size: a small model on every GPU of a host, one replica each behind one endpoint.
+    from eagle3_pipeline.serve.plan import server_plan
+
+    plan = server_plan("sglang", "/opt/sglang/bin/python", str(llama_dir), "127.0.0.1", 30100,
+                       str(tmp_path / "cap"), aux_layers=[1, 3, 5], purpose=purpose, dp_size=8)
+    args = _parse(plan["argv"][3:])
+    assert (args.dp_size, args.tp_size) == (8, 1)
+    expected = plan["expected_server_info"]
+    assert expected["dp_size"] == 8
+    for field in ("dp_size", "tp_size", "disable_radix_cache", "chunked_prefill_size",
+                  "enable_return_aux_hidden_states"):
+        if field in expected:  # what the role verifies on the live server is what SGLang resolved
+            assert getattr(args, field) == expected[field], field
+    if purpose == "capture":
+        assert args.disable_radix_cache is True and args.chunked_prefill_size == -1 and args.forward_hooks
+    one = server_plan("sglang", "py", str(llama_dir), "127.0.0.1", 30100, str(tmp_path / "cap"),
+                      aux_layers=[1, 3, 5], purpose=purpose)
+    assert "--dp-size" not in one["argv"] and _parse(one["argv"][3:]).dp_size == 1

@@ -78,6 +78,11 @@ def test_secret_file_is_private_and_idempotent(tmp_path):
         ({"port": 70000}, "sglang_server_port"),
         ({"aux_layers": [2, 9]}, "sglang_server_aux_layers"),
         ({"tp_size": 2}, "sglang_server_tp_size"),
+        ({"dp_size": 2}, "sglang_server_dp_size: the reference engine serves one replica"),
+        ({"engine": "sglang", "dp_size": 0}, "sglang_server_dp_size: 0 is not a replica count"),
+        ({"engine": "sglang", "extra_args": ["--dp-size", "2"]},
+         r"--dp-size is set by the sglang_server role \(set from sglang_server_dp_size\)"),
+        ({"engine": "sglang", "extra_args": ["--data-parallel-size=2"]}, "alias of --dp-size"),
         ({"extra_args": ["--aux-layers", "1"]}, "set by the role itself"),
     ],
 )

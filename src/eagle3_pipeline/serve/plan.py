@@ -77,7 +77,7 @@ def reference_argv(python: str, model_path: str, host: str, port: int, aux_layer
 def server_plan(engine: str, python: str, model_path: str, host: str, port: int, capture_dir: str,
                 aux_layers: list[int] | None = None, tp_size: int = 1, device: str = "auto",
                 api_key_file: str | None = None, extra_args: list[str] | None = None,
-                purpose: str = "capture") -> dict:
+                purpose: str = "capture", dp_size: int = 1) -> dict:
     """Build the plan (a JSON-ready dict) or raise PlanError.
 
     ``purpose`` "capture" (the extraction's server) or "serve" (answers only: see the module docstring).
@@ -93,6 +93,8 @@ def server_plan(engine: str, python: str, model_path: str, host: str, port: int,
         raise PlanError(f"sglang_server_purpose: {purpose!r} is not one of {', '.join(PURPOSES)}")
     if not 1 <= port <= 65535:
         raise PlanError(f"sglang_server_port: {port} is not a TCP port")
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise PlanError(f"sglang_server_dp_size: {dp_size!r} is not a replica count (1 or more)")
     extra_args = [str(a) for a in (extra_args or [])]
     config = read_model_config(model_path)
     text = text_config(config)
@@ -104,6 +106,9 @@ def server_plan(engine: str, python: str, model_path: str, host: str, port: int,
     if engine == "reference":
         if tp_size != 1:
             raise PlanError("sglang_server_tp_size: the reference engine runs on one device; set it to 1")
+        if dp_size != 1:
+            raise PlanError("sglang_server_dp_size: the reference engine serves one replica on one device; set it "
+                            "to 1 (SGLang's engine runs several replicas: sglang_server_engine: sglang)")
         argv = reference_argv(python, model_path, host, port, aux, capture_dir, device, api_key, extra_args, purpose)
         if purpose == "capture":
             expected = {
@@ -125,11 +130,12 @@ def server_plan(engine: str, python: str, model_path: str, host: str, port: int,
         if purpose == "serve":
             try:
                 argv = sglang_command.serve_launch_argv(python, model_path, host, port, tp_size, extra_args,
-                                                        api_key_file)
+                                                        api_key_file) + sglang_command.dp_args(dp_size)
             except ValueError as exc:
                 raise PlanError(f"sglang_server_extra_args: {exc}") from exc
-            return _plan(engine, purpose, argv, api_key_file, "sglang_config" if api_key else None,
-                         sglang_command.expected_serve_server_info(model_path, port, tp_size), aux, num_layers, hidden)
+            expected = {**sglang_command.expected_serve_server_info(model_path, port, tp_size), "dp_size": dp_size}
+            return _plan(engine, purpose, argv, api_key_file, "sglang_config" if api_key else None, expected, aux,
+                         num_layers, hidden)
         try:
             sglang_command.check_extra_args(extra_args)
         except ValueError as exc:
@@ -138,10 +144,10 @@ def server_plan(engine: str, python: str, model_path: str, host: str, port: int,
             argv = sglang_command.launch_argv(
                 python, model_path, host, port, tp_size, aux, capture_dir, model_type=model_type,
                 extra_args=extra_args, api_key_config=api_key_file, num_hidden_layers=num_layers,
-            )
-            expected = sglang_command.expected_server_info(
+            ) + sglang_command.dp_args(dp_size)
+            expected = {**sglang_command.expected_server_info(
                 model_path, port, tp_size, aux, capture_dir, model_type=model_type, num_hidden_layers=num_layers
-            )
+            ), "dp_size": dp_size}
         except ValueError as exc:
             raise PlanError(f"sglang_server_aux_layers: {exc}") from exc
         secret_format = "sglang_config" if api_key else None
@@ -206,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="capture (the extraction's server) or serve (answers only, no capture)")
     parser.add_argument("--aux-layers", default="", help="comma-separated 0-based layers; empty: the default")
     parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--dp-size", type=int, default=1, help="SGLang replicas, one per GPU group (data parallel)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--api-key-file", default="", help="where the role writes the API key; empty: no key")
     parser.add_argument("--extra-args-json", default="[]", help="JSON list of extra arguments")
@@ -219,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.purpose == "capture" and not args.capture_dir:
             raise PlanError("sglang_server_capture_dir: a capture server needs a capture directory")
         plan = server_plan(args.engine, args.python, args.model_path, args.host, args.port, args.capture_dir,
-                           aux, args.tp_size, args.device, args.api_key_file or None, extra, args.purpose)
+                           aux, args.tp_size, args.device, args.api_key_file or None, extra, args.purpose,
+                           args.dp_size)
     except (PlanError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -99,6 +99,8 @@ _SET_FLAGS = {
     "--port": "set from sglang_server_port",
     "--tp-size": "set from sglang_server_tp_size",
     "--tensor-parallel-size": "alias of --tp-size, which the role sets",
+    "--dp-size": "set from sglang_server_dp_size",
+    "--data-parallel-size": "alias of --dp-size, which the role sets",
     "--disable-radix-cache": "already set: capture needs every prompt token computed in its own request",
     "--chunked-prefill-size": "already set to -1: a chunked prefill splits one request's capture",
     "--cuda-graph-backend-prefill": "already set to disabled: forward hooks never run inside a graph replay",
@@ -284,6 +286,14 @@ def _server_head(python: str, model_path: str, host: str, port: int, tp_size: in
             "--port", str(int(port)), "--tp-size", str(int(tp_size))]
 
 
+def dp_args(dp_size: int) -> list[str]:
+    """``--dp-size N``: N replicas of the model behind one endpoint, each on its own ``tp_size`` GPUs (SGLang's
+    data-parallel controller spreads the requests over them); nothing for one replica."""
+    if int(dp_size) < 1:
+        raise ValueError(f"dp_size {dp_size} must be >= 1")
+    return ["--dp-size", str(int(dp_size))] if int(dp_size) > 1 else []
+
+
 def _config_args(api_key_config: str | None) -> list[str]:
     """``--config PATH`` for the API key's YAML file (SGLang reads --config only from .yaml/.yml), or nothing."""
     if api_key_config is None:
@@ -375,6 +385,8 @@ _SERVE_SET_FLAGS = {
     "--port": "set from sglang_server_port",
     "--tp-size": "set from sglang_server_tp_size",
     "--tensor-parallel-size": "alias of --tp-size, which the role sets",
+    "--dp-size": "set from sglang_server_dp_size",
+    "--data-parallel-size": "alias of --dp-size, which the role sets",
     "--config": "used by the role for the API key file; a config file could set any flag unchecked",
     "--api-key": "would show the key in the process list: set sglang_server_api_key instead",
     "--enable-return-aux-hidden-states": "a capture flag; the serving server captures nothing",
