@@ -218,6 +218,27 @@ def test_fsdp_follows_ddp_and_resumes(data_dir, tmp_path):
         assert abs(a - b) <= 1e-4 * abs(b), (got, want)
 
 
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_global_batch_trains_the_same_steps_on_one_process_as_on_two(data_dir, tmp_path, parallel):
+    # 256 tokens a step: one process accumulating 4 batches of 64, or two processes accumulating 2 each.
+    common = ["--epochs", "4", "--max-steps", "4", "--global-batch-tokens", "256"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    result = run(args(data_dir, one, *common), timeout=600)
+    assert result.returncode == 0, result.stderr
+    result = run(args(data_dir, two, *common, "--nproc-per-node", "2", "--parallel", parallel, "--master-port",
+                      str(free_port())), timeout=600)
+    assert result.returncode == 0, result.stderr
+    got, want = train_losses(two), train_losses(one)
+    assert [s for s, _ in got] == [s for s, _ in want] == [1, 2, 3, 4]
+    for (_, a), (_, b) in zip(got, want):
+        assert abs(a - b) <= 1e-4 * abs(b), (got, want)
+    tokens = [[json.loads(line)["tokens"] for line in (out / tr.METRICS_FILE).read_text().splitlines()
+               if json.loads(line)["kind"] == "train"] for out in (one, two)]
+    assert tokens[0] == tokens[1]  # the same packed batches in every step
+    records = [json.loads((out / tr.TRAINING_FILE).read_text()) for out in (one, two)]
+    assert (records[0]["world"], records[1]["world"]) == (1, 2)
+
+
 def _command_in_a_group(rank: int, port: int, argv: list[str]) -> None:
     """One of two processes of a gloo group, set up as torchrun sets it up, running the command in-process."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),

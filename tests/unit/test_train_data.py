@@ -109,6 +109,23 @@ def test_rank_shards_are_equal_length_disjoint_and_drop_only_the_remainder(data)
         shard(packed, 2, 2)
 
 
+def test_a_step_takes_the_same_batches_whatever_the_number_of_processes(data):
+    # A global batch of G packed batches per step: G processes with one each, or fewer accumulating G / world.
+    packed = [tuple(b) for b in pack(data.samples, BUDGET, 0, 0)]
+    G = 4
+    steps = len(packed) // G
+    assert steps >= 2
+    for world in (1, 2, 4):
+        group = G // world
+        shards = [shard([list(b) for b in packed], rank, world, group) for rank in range(world)]
+        assert {len(s) for s in shards} == {steps * group}
+        for step in range(steps):
+            taken = {tuple(s[i]) for s in shards for i in range(step * group, (step + 1) * group)}
+            assert taken == set(packed[step * G: (step + 1) * G]), (world, step)
+    with pytest.raises(DataError, match="group 0"):
+        shard([list(b) for b in packed], 0, 1, 0)
+
+
 def test_split_is_stable_under_reordering_and_by_id(data):
     train, held = data.split(0.3)
     assert {s.id for s in train} | {s.id for s in held} == {s.id for s in data.samples}

@@ -55,7 +55,7 @@ LM_HEAD = torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(5))
 BATCHES = [(make_batch(10 + s, [9, 14]), make_batch(20 + s, [17, 6, 5])) for s in range(STEPS)]
 
 
-def train(model: Eagle3Drafter, batches: list[PackedBatch]) -> dict[str, torch.Tensor]:
+def train(model: Eagle3Drafter, batches: list) -> dict[str, torch.Tensor]:
     runner = StepRunner(model, LM_HEAD, ttt_length=TTT, device=torch.device("cpu"), dtype="float32",
                         parallel="ddp")
     # SGD, not AdamW: an SGD step is linear in the gradient, so the two runs part only by the float32
@@ -93,8 +93,12 @@ def test_two_processes_step_as_one_on_the_global_batch(tmp_path):
     mp.spawn(worker, args=(port, str(out)), nprocs=2, join=True)
     ddp = load_file(str(out))
     single = train(make_model(), [concat(a, b) for a, b in BATCHES])
+    # One process accumulating the two batches of each step: the same step again (a global batch that does not
+    # depend on the number of processes).
+    accumulated = train(make_model(), [[a, b] for a, b in BATCHES])
     initial = make_model().state_dict()
     for name, value in single.items():
         assert torch.allclose(ddp[name], value, atol=2e-6, rtol=1e-5), name
+        assert torch.allclose(accumulated[name], value, atol=2e-6, rtol=1e-5), name
     moved = [n for n in single if not torch.equal(single[n], initial[n])]
     assert "fc.weight" in moved and "lm_head.weight" in moved  # the check compares trained weights

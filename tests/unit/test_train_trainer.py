@@ -13,7 +13,7 @@ from train_fixtures import HIDDEN, NUM_SAMPLES, VOCAB, build_data, build_target
 from eagle3_pipeline.extract.convert import ConvertConfig, convert_storage
 from eagle3_pipeline.train import export as ex
 from eagle3_pipeline.train import trainer as tr
-from eagle3_pipeline.train.data import DataError
+from eagle3_pipeline.train.data import DataError, pack
 from eagle3_pipeline.train.model import DrafterConfigError, Eagle3Drafter
 from eagle3_pipeline.train.vocab import VocabError
 
@@ -174,6 +174,27 @@ def test_the_drafter_starts_from_the_targets_lm_head_and_final_norm(data_dir, ta
         config(data_dir, tmp_path, head_init="zeros")
     with pytest.raises(tr.TrainConfigError, match="teacher_temperature must be a positive number"):
         config(data_dir, tmp_path, teacher_temperature=0)
+
+
+def test_a_global_batch_accumulates_batches_per_step_and_is_fixed_for_a_resume(data_dir, tmp_path):
+    plain = tr.make_plan(config(data_dir, tmp_path / "plain"))
+    plan = tr.make_plan(config(data_dir, tmp_path / "global", global_batch_tokens=128))  # 2 batches of 64 per step
+    assert (plain.accumulate, plan.accumulate) == (1, 2)
+    assert plan.total == sum(len(pack(plain.train_samples, 64, 0, e)) // 2 for e in range(6))
+    result = tr.train(config(data_dir, tmp_path / "global", global_batch_tokens=128, max_steps=4))
+    records = [json.loads(line) for line in (tmp_path / "global" / tr.METRICS_FILE).read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "train"]
+    sizes = {sample.index: min(sample.tokens, 64) for sample in plan.train_samples}
+    packed = []  # every epoch's batches, each epoch cut to whole steps of 2
+    for epoch in range(6):
+        epoch_batches = pack(plan.train_samples, 64, 0, epoch)
+        packed += [sum(sizes[i] for i in batch) for batch in epoch_batches[: len(epoch_batches) // 2 * 2]]
+    assert result["steps"] == len(steps) == 4
+    assert [r["tokens"] for r in steps] == [packed[2 * s] + packed[2 * s + 1] for s in range(4)]
+    with pytest.raises(tr.TrainConfigError, match="accumulate 2 -> 1"):
+        tr.train(config(data_dir, tmp_path / "global", max_steps=6))
+    with pytest.raises(tr.TrainConfigError, match=r"global_batch_tokens 96 is not a multiple of batch_tokens 64 x 1"):
+        tr.make_plan(config(data_dir, tmp_path / "odd", global_batch_tokens=96))
 
 
 @pytest.fixture(scope="module")

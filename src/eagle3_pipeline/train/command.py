@@ -74,6 +74,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--grad-clip", type=float, default=0.5, help="gradient norm clip (0: none)")
     add("--batch-tokens", type=positive_int, help="tokens per packed batch per process (default: by the drafter's "
         "width: 2048 at 4096 and wider, 8192 at 2048, 32768 at 1024 and narrower, where small steps waste the GPU)")
+    add("--global-batch-tokens", type=positive_int,
+        help="tokens per optimizer step over all processes, a multiple of --batch-tokens x processes: each process "
+        "accumulates that many of its batches per step, so the steps are the same on any number of GPUs (default: "
+        "one batch per process per step)")
     add("--eval-ratio", type=float, default=0.0, help="share of samples held out for evaluation")
     add("--eval-opening-tokens", type=int, default=128,
         help="also score the held-out split over the tokens serving a first answer of this many tokens drafts "

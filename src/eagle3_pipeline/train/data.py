@@ -171,15 +171,20 @@ def pack(samples: list[Sample], batch_tokens: int, seed: int, epoch: int) -> lis
     return batches
 
 
-def shard(batches: list[list[int]], rank: int, world: int) -> list[list[int]]:
-    """This rank's batches: ``batches[rank::world]``, cut so every rank gets the same number.
+def shard(batches: list[list[int]], rank: int, world: int, group: int = 1) -> list[list[int]]:
+    """This rank's batches: ``batches[rank::world]``, cut so every rank gets the same number, a multiple of
+    ``group`` (the batches one optimizer step accumulates on each rank).
 
-    The last ``len(batches) % world`` batches of the epoch are DROPPED (a different set each
-    epoch, since the shuffle changes), so that no rank waits on a step the others never take.
+    The last ``len(batches) % (world * group)`` batches of the epoch are DROPPED (a different set each
+    epoch, since the shuffle changes), so that no rank waits on a step the others never take. Step s then
+    trains on ``batches[s * G: (s + 1) * G]`` with G = world * group, whatever the split of G: the same steps
+    on 1 process accumulating G batches as on G processes with one each.
     """
     if not 0 <= rank < world:
         raise DataError(f"rank {rank} of world {world}: need 0 <= rank < world")
-    per_rank = len(batches) // world
+    if group < 1:
+        raise DataError(f"group {group}: a step takes at least one batch")
+    per_rank = len(batches) // (world * group) * group
     return batches[rank: per_rank * world: world]
 
 
@@ -349,24 +354,25 @@ class DataState:
 
 
 def batches(data: TrainData, batch_tokens: int, seed: int, rank: int, world: int, state: DataState | None = None,
-            *, samples: list[Sample] | None = None, epochs: int | None = None, dequantize: bool = True
-            ) -> Iterator[tuple[DataState, PackedBatch]]:
+            *, samples: list[Sample] | None = None, epochs: int | None = None, dequantize: bool = True,
+            group: int = 1) -> Iterator[tuple[DataState, PackedBatch]]:
     """Yield (state after this batch, batch) for this rank, from ``state`` on.
 
     ``samples`` defaults to all of ``data.samples`` (pass the train half of ``split``);
     ``epochs`` None runs forever. Saving the yielded state with a checkpoint taken after the
     step on that batch and passing it back continues at exactly the next batch, provided the
     seed, budget, world size and sample list are unchanged. The state after the last batch of
-    an epoch is (epoch + 1, 0). ``dequantize``: as ``load_batch``'s.
+    an epoch is (epoch + 1, 0). ``dequantize``: as ``load_batch``'s. ``group``: as ``shard``'s.
     """
     pool = data.samples if samples is None else samples
     state = state or DataState()
     epoch, position = state.epoch, state.batch
     while epochs is None or epoch < epochs:
-        mine = shard(pack(pool, batch_tokens, seed, epoch), rank, world)
+        mine = shard(pack(pool, batch_tokens, seed, epoch), rank, world, group)
         if not mine:
-            raise DataError(f"{len(pool)} samples make fewer than {world} batches of {batch_tokens} tokens: "
-                            "nothing for every rank; lower the budget or the number of processes")
+            raise DataError(f"{len(pool)} samples make fewer than {world * group} batches of {batch_tokens} tokens: "
+                            "nothing for every rank; lower the budget, the global batch or the number of "
+                            "processes")
         if position > len(mine):
             raise DataError(f"data state batch {position} of epoch {epoch}: this rank has only {len(mine)} batches "
                             "per epoch; resume with the seed, batch budget, world size and data of the saved run")

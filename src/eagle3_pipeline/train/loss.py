@@ -274,6 +274,11 @@ class TTTMetrics:
     # (``evaluate.rounds``); not a count, so never summed.
     leads: torch.Tensor | None = None
 
+    def plus(self, other: TTTMetrics) -> TTTMetrics:
+        """The counts of both (``leads`` is per row, not a count: dropped)."""
+        return TTTMetrics(self.hits + other.hits, self.rows + other.rows, self.chain_hits + other.chain_hits,
+                          self.chain_rows + other.chain_rows)
+
     @property
     def acc(self) -> list[float]:
         """acc_k: top-1 agreement over the trained rows."""

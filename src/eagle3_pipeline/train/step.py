@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import gc
 import warnings
+from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
@@ -179,24 +180,30 @@ class StepRunner:
         """(loss, metrics) of one batch. ``training``: through the DDP/FSDP wrapper, with the global
         denominators (a collective: every process must call it); else the local model, each step's
         CE summed (``denominators`` of ones) unless given."""
-        fused = self.attention == "fused"
+        prepared = self._prepare(batch)
+        if denominators is None:
+            if training:
+                denominators = all_reduce(step_counts(prepared[2], self.ttt_length).float()) / self.world
+            else:
+                denominators = torch.ones(self.ttt_length, device=self.device)
+        return self._run(prepared, training, denominators)
+
+    def _prepare(self, batch: PackedBatch) -> tuple[PackedBatch, torch.Tensor | None, TeacherTargets]:
+        """The batch on the device, its host-gathered embeddings (fused path) and its teacher."""
         token_embeds = None
-        if fused and self.embeddings == "host":
+        if self.attention == "fused" and self.embeddings == "host":
             # Gathered from the batch's host ids before anything waits on the device.
             token_embeds = self.model.token_embeddings(batch.input_ids[None], self.ttt_length, self.device,
                                                        self.compute_dtype)
         batch = batch.to(self.device, non_blocking=True)
-        teacher = self.teacher(batch)
-        if denominators is None:
-            if training:
-                global_counts = all_reduce(step_counts(teacher, self.ttt_length).float())
-                denominators = global_counts / self.world
-            else:
-                denominators = torch.ones(self.ttt_length, device=self.device)
+        return batch, token_embeds, self.teacher(batch)
+
+    def _run(self, prepared, training: bool, denominators: torch.Tensor) -> tuple[TTTLoss, TTTMetrics]:
+        batch, token_embeds, teacher = prepared
         module = self.module if training else self.model
         inputs = (batch.input_ids[None], batch.aux_hidden[None], batch.position_ids[None], self.ttt_length,
                   batch.doc_ids[None])
-        if fused:
+        if self.attention == "fused":
             hidden = module(*inputs, attention="fused", compute_dtype=self.compute_dtype, token_embeds=token_embeds,
                             mlp_recompute_steps=self.mlp_recompute_steps, compile=self.compile, head=False)
             kernels = fused_kernels(self.model.config, self.compile)
@@ -207,22 +214,68 @@ class StepRunner:
             logits = module(*inputs)
         return ttt_loss(logits, teacher, denominators=denominators), ttt_metrics(logits, teacher)
 
-    def train_step(self, batch: PackedBatch, optimizer: torch.optim.Optimizer, lr: float,
+    def train_step(self, batch: PackedBatch | Sequence[PackedBatch], optimizer: torch.optim.Optimizer, lr: float,
                    grad_clip: float) -> tuple[TTTLoss, TTTMetrics]:
-        """Forward, backward, clip, update; the batch's (loss, metrics)."""
+        """Forward, backward, clip, update; the step's (loss, metrics).
+
+        A list of batches is one step accumulated over them: each step's loss is divided by the rows of every
+        batch of every process together (a collective over their counts, before any backward), so the step
+        is the one a single batch holding them all would give, whatever the number of processes."""
         for group in optimizer.param_groups:
             group["lr"] = lr
         if self.device.type == "cuda":
             use_fused_adamw(optimizer)
         # Before the forward, so that the last step's gradients are not held through this one's.
         optimizer.zero_grad(set_to_none=True)
-        loss, metrics = self.forward(batch)
-        loss.loss.backward()
+        if isinstance(batch, PackedBatch):
+            loss, metrics = self.forward(batch)
+            loss.loss.backward()
+        else:
+            loss, metrics = self._accumulate(list(batch))
         if grad_clip > 0:
             torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], grad_clip)
         optimizer.step()
         return loss, metrics
 
+    def _accumulate(self, batches: list[PackedBatch]) -> tuple[TTTLoss, TTTMetrics]:
+        if not batches:
+            raise ValueError("a training step needs at least one batch")
+        prepared = [self._prepare(batch) for batch in batches]
+        counts = torch.stack([step_counts(p[2], self.ttt_length).float() for p in prepared]).sum(0)
+        denominators = all_reduce(counts) / self.world
+        total_loss, total_metrics = None, None
+        for index, one in enumerate(prepared):
+            with gradient_sync(self.module, index == len(prepared) - 1):  # the gradients reduced once, at the end
+                loss, metrics = self._run(one, True, denominators)
+                loss.loss.backward()
+            total_loss = TTTLoss(loss.loss.detach(), loss.step_losses, loss.step_counts) if total_loss is None \
+                else TTTLoss(total_loss.loss + loss.loss.detach(), total_loss.step_losses + loss.step_losses,
+                             total_loss.step_counts + loss.step_counts)
+            total_metrics = metrics if total_metrics is None else total_metrics.plus(metrics)
+        return total_loss, total_metrics
+
+
+def gradient_sync(module: nn.Module, enabled: bool):
+    """A context in which the backward reduces gradients over the processes (``enabled``) or only accumulates
+    them: DDP's ``no_sync``, FSDP's ``set_requires_gradient_sync``; a plain module always accumulates."""
+    if enabled:
+        return nullcontext()
+    if isinstance(module, nn.parallel.DistributedDataParallel):
+        return module.no_sync()
+    if hasattr(module, "set_requires_gradient_sync"):
+        return _FsdpNoSync(module)
+    return nullcontext()
+
+
+class _FsdpNoSync:
+    def __init__(self, module):
+        self.module = module
+
+    def __enter__(self):
+        self.module.set_requires_gradient_sync(False)
+
+    def __exit__(self, *exc):
+        self.module.set_requires_gradient_sync(True)
 
 
 def use_fused_adamw(optimizer: torch.optim.Optimizer) -> None:

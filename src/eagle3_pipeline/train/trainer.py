@@ -104,12 +104,13 @@ CHARTS_DIR = "charts"
 FINGERPRINT_FIELDS = ("target_model_path", "draft_vocab_size", "ttt_length", "epochs", "max_steps", "lr",
                       "warmup_steps", "weight_decay", "grad_clip", "batch_tokens", "eval_ratio", "seed", "dtype",
                       "variant", "norm_before_fc", "layout", "head_init", "teacher_temperature",
-                      *SHAPE_OVERRIDES)
+                      "global_batch_tokens", *SHAPE_OVERRIDES)
 # Settings a resumed run must share with the checkpoint, or its data order / model differ.
 RESUME_FIXED = ("seed", "batch_tokens", "eval_ratio", "ttt_length", "draft_vocab_size", "world", "variant",
-                "norm_before_fc", "layout", "head_init")
+                "norm_before_fc", "layout", "head_init", "accumulate")
 # What a checkpoint written before a setting was recorded had (variants, layouts and the head's start came later).
-FIXED_BEFORE = {"variant": DEFAULT_VARIANT, "norm_before_fc": False, "layout": "llama", "head_init": "random"}
+FIXED_BEFORE = {"variant": DEFAULT_VARIANT, "norm_before_fc": False, "layout": "llama", "head_init": "random",
+                "accumulate": 1}
 
 
 
@@ -133,6 +134,10 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 0.5  # 0: no clipping
     batch_tokens: int | None = None  # None: auto_batch_tokens(the drafter's hidden size)
+    # Tokens per optimizer step over all processes: a multiple of batch_tokens x processes, each process then
+    # accumulating that many of its batches per step, so that the steps do not depend on the number of GPUs.
+    # None: one batch per process per step (the global batch grows with the processes).
+    global_batch_tokens: int | None = None
     eval_ratio: float = 0.0
     # The held-out metrics again over the tokens serving a first answer of this many tokens drafts
     # (data.opening_mask): the evaluation's prediction when its max_new_tokens is this; 0: not computed.
@@ -166,7 +171,7 @@ class TrainConfig:
         for name in ("data_dir", "output_dir"):
             if not getattr(self, name):
                 raise TrainConfigError(f"{name} must be a directory path, got {getattr(self, name)!r}")
-        optional = ("max_steps", "draft_vocab_size", "batch_tokens", *SHAPE_OVERRIDES)
+        optional = ("max_steps", "draft_vocab_size", "batch_tokens", "global_batch_tokens", *SHAPE_OVERRIDES)
         positive = ["ttt_length", "epochs"] + [n for n in optional if getattr(self, n) is not None]
         for name in positive:
             _check_int(name, getattr(self, name), 1)
@@ -381,10 +386,7 @@ def _counts_on_cpu(metrics: TTTMetrics) -> TTTMetrics:
 
 
 def _sum_metrics(total: TTTMetrics | None, new: TTTMetrics) -> TTTMetrics:
-    if total is None:
-        return new
-    return TTTMetrics(total.hits + new.hits, total.rows + new.rows, total.chain_hits + new.chain_hits,
-                      total.chain_rows + new.chain_rows)
+    return new if total is None else total.plus(new)
 
 
 # -- the loop ------------------------------------------------------------------------------
@@ -506,6 +508,7 @@ class Plan:
     limit: int
     fixed: dict
     fingerprint: str
+    accumulate: int = 1  # batches per process per optimizer step
 
     @property
     def out_dir(self) -> Path:
@@ -608,7 +611,15 @@ def make_plan(cfg: TrainConfig, world: int | None = None) -> Plan:
                                                norm_before_fc=cfg.norm_before_fc, layout=cfg.layout, **overrides)
     if cfg.batch_tokens is None:
         cfg.batch_tokens = auto_batch_tokens(drafter_config.hidden_size)
-    per_epoch = [len(shard(pack(train_samples, cfg.batch_tokens, cfg.seed, e), rank, world))
+    accumulate = 1
+    if cfg.global_batch_tokens is not None:
+        per_step = cfg.batch_tokens * world
+        if cfg.global_batch_tokens % per_step:
+            raise TrainConfigError(f"global_batch_tokens {cfg.global_batch_tokens} is not a multiple of batch_tokens "
+                                   f"{cfg.batch_tokens} x {world} process(es) = {per_step}: each process accumulates "
+                                   "a whole number of its batches per step; change either, or the number of GPUs")
+        accumulate = cfg.global_batch_tokens // per_step
+    per_epoch = [len(shard(pack(train_samples, cfg.batch_tokens, cfg.seed, e), rank, world, accumulate)) // accumulate
                  for e in range(cfg.epochs)]
     total = sum(per_epoch)
     if total == 0:
@@ -618,16 +629,18 @@ def make_plan(cfg: TrainConfig, world: int | None = None) -> Plan:
     limit = min(total, cfg.max_steps) if cfg.max_steps is not None else total
     fixed = {"seed": cfg.seed, "batch_tokens": cfg.batch_tokens, "eval_ratio": cfg.eval_ratio,
              "ttt_length": cfg.ttt_length, "draft_vocab_size": draft_size, "world": world, "variant": cfg.variant,
-             "norm_before_fc": cfg.norm_before_fc, "layout": drafter_config.layout, "head_init": cfg.head_init}
+             "norm_before_fc": cfg.norm_before_fc, "layout": drafter_config.layout, "head_init": cfg.head_init,
+             "accumulate": accumulate}
     settings = {name: getattr(cfg, name) for name in FINGERPRINT_FIELDS}
-    for name, default in (("head_init", DEFAULT_HEAD_INIT), ("teacher_temperature", DEFAULT_TEACHER_TEMPERATURE)):
+    for name, default in (("head_init", DEFAULT_HEAD_INIT), ("teacher_temperature", DEFAULT_TEACHER_TEMPERATURE),
+                          ("global_batch_tokens", None)):
         if settings[name] == default:  # EAGLE-3's recipe keeps the fingerprint it had before these options existed
             del settings[name]
     settings.update(target_model_path=str(target_path.resolve()), draft_vocab_size=draft_size, dtype=dtype,
                     world=world, data=_file_digest(Path(cfg.data_dir) / "data_config.json"))
     fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
     return Plan(cfg, device, dtype, rank, world, data, train_samples, held, target_path, target_config,
-                drafter_config, vocab, total, limit, fixed, fingerprint)
+                drafter_config, vocab, total, limit, fixed, fingerprint, accumulate)
 
 
 class _Progress:
@@ -837,18 +850,19 @@ def train(cfg: TrainConfig) -> dict:
         if step < plan.limit:
             # Float8 states stay float8 until the device: half the bytes to read and to copy there.
             stream = batches(plan.data, cfg.batch_tokens, cfg.seed, rank, world, data_state,
-                             samples=plan.train_samples, epochs=cfg.epochs, dequantize=False)
+                             samples=plan.train_samples, epochs=cfg.epochs, dequantize=False, group=plan.accumulate)
             epoch = data_state.epoch
-            for after, batch in stream:
+            for after, group in _steps(stream, plan.accumulate):
                 started = time.perf_counter()
                 lr = lr_at(step, cfg, plan.total)
-                loss, metrics = runner.train_step(batch, optimizer, lr, cfg.grad_clip)
+                loss, metrics = runner.train_step(group[0] if len(group) == 1 else group, optimizer, lr,
+                                                  cfg.grad_clip)
                 step += 1
                 reduced = all_reduce(loss.loss.detach().clone()) / world
                 parts = all_reduce(loss.step_losses.clone()) / world
                 for name in METRIC_COUNTS:
                     all_reduce(getattr(metrics, name))
-                tokens = all_reduce(torch.tensor(batch.num_tokens, device=device))
+                tokens = all_reduce(torch.tensor(sum(batch.num_tokens for batch in group), device=device))
                 elapsed = max(time.perf_counter() - started, 1e-9)
                 last = {"kind": "train", "step": step, "epoch": epoch + 1, "loss": float(reduced),
                         **_metric_fields(parts, metrics), "tokens": int(tokens),
@@ -893,6 +907,17 @@ def train(cfg: TrainConfig) -> dict:
         raise
     finally:
         log.close()
+
+
+def _steps(stream, accumulate: int):
+    """(state after the step's last batch, the step's batches) from ``batches``' stream (``group=accumulate``,
+    so every epoch ends on a whole step)."""
+    group = []
+    for after, batch in stream:
+        group.append(batch)
+        if len(group) == accumulate:
+            yield after, group
+            group = []
 
 
 def _export(plan: Plan, model_state: dict) -> dict:
