@@ -265,7 +265,8 @@ class Measurer:
             "diagnosis": verdict["diagnosis"], "near_ties": check["near_ties"], "faults": check["faults"],
             "mismatches": check["mismatches"][:20],
             "predicted_from": verdict["predicted_from"], "measure_s": time.perf_counter() - began,
-            "trainings_beside": beside,
+            "trainings_beside": beside, "steps": training.get("steps"),
+            "train_samples": training.get("train_samples"), "train_tokens": training.get("train_tokens"),
             "runs": [{key: run[key] for key in ("draft_tokens", "tau", "predicted_tau", "predicted_tau_per_token",
                                                  "predicted_tau_all_tokens", "replayed",
                                                  "accepted_per_position",
@@ -283,8 +284,10 @@ class Measurer:
                          f"per token {fmt(run['predicted_tau_per_token'])}; {run['tokens_per_s']:,.0f} tokens/s, "
                          f"{fmt(run['speedup'])}x the target alone's)"
                          for run in figures) + busy_note(beside)
-        say(f"{self.label} {name}: {line}; outputs: {check['near_ties']} near-ties, {check['faults']} faults; "
-            f"verdict {'passed' if verdict['passed'] else 'FAILED'} ({entry['measure_s']:.1f} s)")
+        say(f"{self.label} {name} ({training.get('train_samples')} samples, {training.get('train_tokens')} tokens, "
+            f"{training.get('steps')} steps): {line}; outputs: {check['near_ties']} near-ties, "
+            f"{check['faults']} faults; verdict {'passed' if verdict['passed'] else 'FAILED'} "
+            f"({entry['measure_s']:.1f} s)")
         return entry
 
 
@@ -295,9 +298,9 @@ def busy_note(trainings: int) -> str:
 def summary(results: dict) -> list[str]:
     """The table and the ratios."""
     lines = [f"{results.get('label', results['dtype'])}: {results['prompts']} held-out prompts",
-             f"{'drafter':<40} {'tau@3':>7} {'tau@7':>7} {'rep@3':>7} {'rep@7':>7} {'pred@3':>7} {'pred@7':>7} "
-             f"{'x@3':>7} {'x@7':>7}  acceptance per position (chain of 7, conditional); rep: replayed from full "
-             "forwards; x: tokens/s over the target alone's, '-' where either was measured beside a training"]
+             f"{'drafter':<40} {'samples':>8} {'tau@3':>7} {'tau@7':>7} {'rep@3':>7} {'rep@7':>7} {'pred@3':>7} "
+             f"{'pred@7':>7} {'x@3':>7} {'x@7':>7}  acceptance per position (chain of 7, conditional); rep: replayed "
+             "from full forwards; x: tokens/s over the target alone's, '-' where either was measured beside a training"]
     taus: dict[str, dict[int, float]] = {}
     for name, entry in results["drafters"].items():
         by_chain = {run["draft_tokens"]: run for run in entry["runs"]}
@@ -309,8 +312,9 @@ def summary(results: dict) -> list[str]:
         cond = "/".join(f"{v:.2f}" for v in by_chain[7]["conditional_acceptance_per_position"]) if 7 in by_chain \
             else "-"
         replayed = {chain: (run.get("replayed") or {}).get("tau") for chain, run in by_chain.items()}
-        lines.append(f"{name:<40} {fmt(taus[name].get(3))} {fmt(taus[name].get(7))} {fmt(replayed.get(3))} "
-                     f"{fmt(replayed.get(7))} {fmt(by_chain.get(3, {}).get('predicted_tau'))} "
+        lines.append(f"{name:<40} {entry.get('train_samples') or '-':>8} {fmt(taus[name].get(3))} "
+                     f"{fmt(taus[name].get(7))} {fmt(replayed.get(3))} {fmt(replayed.get(7))} "
+                     f"{fmt(by_chain.get(3, {}).get('predicted_tau'))} "
                      f"{fmt(by_chain.get(7, {}).get('predicted_tau'))} {fmt(by_chain.get(3, {}).get('speedup'))} "
                      f"{fmt(by_chain.get(7, {}).get('speedup'))}  {cond}")
 

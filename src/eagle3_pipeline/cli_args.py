@@ -45,3 +45,26 @@ def dataset_arg(text: str):
         return tuple(parse_sources(text))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def options_argv(args: argparse.Namespace, actions: list[argparse.Action], skip: tuple[str, ...] = ()) -> list[str]:
+    """The options of parsed ``args`` as a command line that parses back to them (for a child process of the
+    same command): every option but ``help`` and the destinations in ``skip``; flags only where set, lists
+    comma-separated, unset (None) options left out."""
+    argv = []
+    for action in actions:
+        if not action.option_strings or action.dest in ("help", *skip):
+            continue
+        value = getattr(args, action.dest, None)
+        flag = action.option_strings[0]
+        if isinstance(action, argparse._StoreFalseAction):  # noqa: SLF001 - argparse has no public name
+            if value is False:
+                argv.append(flag)
+        elif isinstance(action, argparse._StoreTrueAction):  # noqa: SLF001
+            if value is True:
+                argv.append(flag)
+        elif isinstance(value, list | tuple):
+            argv += [flag, ",".join(map(str, value))]
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv

@@ -197,6 +197,34 @@ def test_a_global_batch_accumulates_batches_per_step_and_is_fixed_for_a_resume(d
         tr.make_plan(config(data_dir, tmp_path / "odd", global_batch_tokens=96))
 
 
+def test_max_train_samples_trains_on_the_first_samples_only_with_their_own_vocabulary(data_dir, tmp_path):
+    from eagle3_pipeline.extract.store import count_tokens
+    from eagle3_pipeline.train.vocab import build_draft_vocab
+
+    whole = tr.make_plan(config(data_dir, tmp_path / "whole"))
+    plan = tr.make_plan(config(data_dir, tmp_path / "first", max_train_samples=5))
+    assert plan.train_samples == whole.train_samples[:5] and len(whole.train_samples) > 5
+    assert plan.held == whole.held  # the same held-out split, so the curves compare
+    subset_counts = count_tokens(data_dir, (s.file for s in whole.train_samples[:5]), VOCAB)
+    assert torch.equal(plan.vocab.d2t, build_draft_vocab(subset_counts, 48).d2t)
+    assert not torch.equal(plan.vocab.d2t, whole.vocab.d2t)  # counted over these 5, not the whole extraction
+    assert plan.fingerprint != whole.fingerprint
+    result = tr.train(config(data_dir, tmp_path / "first", max_train_samples=5, epochs=1, checkpoint_every=0))
+    records = [json.loads(line) for line in (tmp_path / "first" / tr.METRICS_FILE).read_text().splitlines()]
+    trained = sum(r["tokens"] for r in records if r["kind"] == "train")
+    assert trained == sum(min(s.tokens, 64) for s in whole.train_samples[:5])  # each sample once, and no other
+    assert result["steps"] == len(pack(whole.train_samples[:5], 64, 0, 0))
+    assert (result["train_samples"], result["eval_samples"]) == (5, len(whole.held))
+    assert result["train_tokens"] == sum(s.tokens for s in whole.train_samples[:5])
+    # More than there are: all of them (said in the log), the same samples as no limit.
+    assert tr.make_plan(config(data_dir, tmp_path / "all", max_train_samples=10_000)).train_samples \
+        == whole.train_samples
+    with pytest.raises(tr.TrainConfigError, match="max_train_samples 5 -> 6"):
+        tr.train(config(data_dir, tmp_path / "first", max_train_samples=6, epochs=1, checkpoint_every=0))
+    with pytest.raises(tr.TrainConfigError, match="max_train_samples must be an integer >= 1"):
+        config(data_dir, tmp_path, max_train_samples=0)
+
+
 @pytest.fixture(scope="module")
 def deepseek_data_dir(tmp_path_factory):
     target = build_target(tmp_path_factory.mktemp("deepseek-v3") / "target", deepseek=True)

@@ -150,7 +150,8 @@ def write_part_manifest(out_dir: Path, index: int, count: int, samples: list[dic
     return write_if_changed(out_dir / PARTS_DIR / f"{part_name(index, count)}.json", _dump(document))
 
 
-def _count_tokens(out_dir: Path, files: Iterable[str], vocab_size: int) -> torch.Tensor:
+def count_tokens(out_dir: Path, files: Iterable[str], vocab_size: int) -> torch.Tensor:
+    """Counts [V] int64 of the loss-masked target tokens of these sample files."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for name in files:
         with safe_open(str(out_dir / name), framework="pt") as handle:
@@ -192,7 +193,7 @@ def merge(out_dir: Path) -> tuple[dict, bool]:
         shard["files"].append({key: sample[key] for key in ("file", "id", "id_generated", "line", "tokens",
                                                               "loss_tokens", "bytes", "sha256", "source")
                                   if key in sample})
-    token_counts = _count_tokens(out_dir, (s["file"] for s in samples), settings["vocab_size"])
+    token_counts = count_tokens(out_dir, (s["file"] for s in samples), settings["vocab_size"])
     counts_changed = False
     counts_path = out_dir / TOKEN_COUNTS_FILE
     existing = None

@@ -29,7 +29,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from eagle3_pipeline.cli_args import path_str, positive_int
+from eagle3_pipeline.cli_args import options_argv, path_str, positive_int
 from eagle3_pipeline.train.recipe import DEFAULT_HEAD_INIT, DEFAULT_TEACHER_TEMPERATURE, HEAD_INITS
 from eagle3_pipeline.train.variants import DEFAULT_VARIANT, VARIANTS
 
@@ -78,6 +78,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="tokens per optimizer step over all processes, a multiple of --batch-tokens x processes: each process "
         "accumulates that many of its batches per step, so the steps are the same on any number of GPUs (default: "
         "one batch per process per step)")
+    add("--max-train-samples", type=positive_int,
+        help="train on the first N samples of the training split only (dataset order): what a smaller extraction "
+        "would give; the held-out split is unchanged and the draft vocabulary is counted over those N (default: all)")
     add("--eval-ratio", type=float, default=0.0, help="share of samples held out for evaluation")
     add("--eval-opening-tokens", type=int, default=128,
         help="also score the held-out split over the tokens serving a first answer of this many tokens drafts "
@@ -117,21 +120,7 @@ def _say(message: str) -> None:
 
 def _worker_argv(args: argparse.Namespace, parser_actions: list[argparse.Action]) -> list[str]:
     """The command line every torchrun worker gets: this one without the launcher's options."""
-    argv = []
-    for action in parser_actions:
-        if not action.option_strings or action.dest in (*LAUNCH_OPTIONS, "help", "check"):
-            continue
-        value = getattr(args, action.dest, None)
-        flag = action.option_strings[0]
-        if isinstance(action, argparse._StoreFalseAction):  # noqa: SLF001 - argparse has no public name
-            if value is False:
-                argv.append(flag)
-        elif isinstance(action, argparse._StoreTrueAction):  # noqa: SLF001
-            if value is True:
-                argv.append(flag)
-        elif value is not None:
-            argv += [flag, str(value)]
-    return argv
+    return options_argv(args, parser_actions, (*LAUNCH_OPTIONS, "check"))
 
 
 def _note_exit(out_dir: Path, state: str, message: str, code: int) -> None:

@@ -62,6 +62,7 @@ from torch.distributed.checkpoint.state_dict import (
 from eagle3_pipeline.atomic import atomic_write_text
 from eagle3_pipeline.checksum import file_sha256
 from eagle3_pipeline.evaluate.rounds import AcceptanceStats, answer_rounds
+from eagle3_pipeline.extract.store import count_tokens
 from eagle3_pipeline.extract.verify import load_lm_head
 from eagle3_pipeline.models.config import read_text_config
 from eagle3_pipeline.train import export
@@ -104,13 +105,13 @@ CHARTS_DIR = "charts"
 FINGERPRINT_FIELDS = ("target_model_path", "draft_vocab_size", "ttt_length", "epochs", "max_steps", "lr",
                       "warmup_steps", "weight_decay", "grad_clip", "batch_tokens", "eval_ratio", "seed", "dtype",
                       "variant", "norm_before_fc", "layout", "head_init", "teacher_temperature",
-                      "global_batch_tokens", *SHAPE_OVERRIDES)
+                      "global_batch_tokens", "max_train_samples", *SHAPE_OVERRIDES)
 # Settings a resumed run must share with the checkpoint, or its data order / model differ.
 RESUME_FIXED = ("seed", "batch_tokens", "eval_ratio", "ttt_length", "draft_vocab_size", "world", "variant",
-                "norm_before_fc", "layout", "head_init", "accumulate")
+                "norm_before_fc", "layout", "head_init", "accumulate", "max_train_samples")
 # What a checkpoint written before a setting was recorded had (variants, layouts and the head's start came later).
 FIXED_BEFORE = {"variant": DEFAULT_VARIANT, "norm_before_fc": False, "layout": "llama", "head_init": "random",
-                "accumulate": 1}
+                "accumulate": 1, "max_train_samples": None}
 
 
 
@@ -138,6 +139,9 @@ class TrainConfig:
     # accumulating that many of its batches per step, so that the steps do not depend on the number of GPUs.
     # None: one batch per process per step (the global batch grows with the processes).
     global_batch_tokens: int | None = None
+    # Train on the first N samples of the training split only (dataset order; the held-out split and its
+    # metrics are unchanged, the draft vocabulary is counted over those N): what a smaller extraction gives.
+    max_train_samples: int | None = None
     eval_ratio: float = 0.0
     # The held-out metrics again over the tokens serving a first answer of this many tokens drafts
     # (data.opening_mask): the evaluation's prediction when its max_new_tokens is this; 0: not computed.
@@ -171,7 +175,8 @@ class TrainConfig:
         for name in ("data_dir", "output_dir"):
             if not getattr(self, name):
                 raise TrainConfigError(f"{name} must be a directory path, got {getattr(self, name)!r}")
-        optional = ("max_steps", "draft_vocab_size", "batch_tokens", "global_batch_tokens", *SHAPE_OVERRIDES)
+        optional = ("max_steps", "draft_vocab_size", "batch_tokens", "global_batch_tokens", "max_train_samples",
+                    *SHAPE_OVERRIDES)
         positive = ["ttt_length", "epochs"] + [n for n in optional if getattr(self, n) is not None]
         for name in positive:
             _check_int(name, getattr(self, name), 1)
@@ -588,6 +593,11 @@ def make_plan(cfg: TrainConfig, world: int | None = None) -> Plan:
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     data = open_dataset(cfg.data_dir)
     train_samples, held = data.split(cfg.eval_ratio)
+    if cfg.max_train_samples is not None:
+        if cfg.max_train_samples >= len(train_samples) and rank == 0:
+            print(f"eagle3 train: max_train_samples {cfg.max_train_samples}: the training split of {data.root} has "
+                  f"{len(train_samples)} samples; training on all of them", flush=True)
+        train_samples = train_samples[:cfg.max_train_samples]
     target_path = Path(cfg.target_model_path or data.manifest.get("target_model_path") or "")
     if not str(target_path) or str(target_path) == ".":
         raise TrainConfigError("target_model_path is not set and the manifest names none")
@@ -603,6 +613,8 @@ def make_plan(cfg: TrainConfig, world: int | None = None) -> Plan:
                         f"{data.manifest.get('vocab_size')} vs {vocab_size})")
     draft_size = resolve_draft_vocab_size(vocab_size, cfg.draft_vocab_size)
     counts = load_token_counts(cfg.data_dir)
+    if cfg.max_train_samples is not None:  # the vocabulary of the samples trained on, not of the whole extraction
+        counts = count_tokens(data.root, (sample.file for sample in train_samples), counts.numel())
     if counts.numel() != vocab_size:
         raise VocabError(f"token counts cover {counts.numel()} ids, the target's vocabulary has {vocab_size}")
     vocab = build_draft_vocab(counts, draft_size)
@@ -630,10 +642,10 @@ def make_plan(cfg: TrainConfig, world: int | None = None) -> Plan:
     fixed = {"seed": cfg.seed, "batch_tokens": cfg.batch_tokens, "eval_ratio": cfg.eval_ratio,
              "ttt_length": cfg.ttt_length, "draft_vocab_size": draft_size, "world": world, "variant": cfg.variant,
              "norm_before_fc": cfg.norm_before_fc, "layout": drafter_config.layout, "head_init": cfg.head_init,
-             "accumulate": accumulate}
+             "accumulate": accumulate, "max_train_samples": cfg.max_train_samples}
     settings = {name: getattr(cfg, name) for name in FINGERPRINT_FIELDS}
     for name, default in (("head_init", DEFAULT_HEAD_INIT), ("teacher_temperature", DEFAULT_TEACHER_TEMPERATURE),
-                          ("global_batch_tokens", None)):
+                          ("global_batch_tokens", None), ("max_train_samples", None)):
         if settings[name] == default:  # EAGLE-3's recipe keeps the fingerprint it had before these options existed
             del settings[name]
     settings.update(target_model_path=str(target_path.resolve()), draft_vocab_size=draft_size, dtype=dtype,
@@ -892,6 +904,8 @@ def train(cfg: TrainConfig) -> dict:
                    "drafter_dir": str(plan.drafter_dir), "draft_vocab_size": drafter_config.draft_vocab_size,
                    "draft_vocab_coverage": vocab.coverage, "world": world, "device": str(device),
                    "dtype": plan.dtype, "fingerprint": plan.fingerprint,
+                   "train_samples": len(plan.train_samples), "eval_samples": len(plan.held),
+                   "train_tokens": sum(sample.tokens for sample in plan.train_samples),
                    "config": {f.name: getattr(cfg, f.name) for f in fields(cfg)}}
         if rank == 0:
             summary.update(_export(plan, final_state))
