@@ -118,6 +118,17 @@ def write_inventory(work: Path, args, regenerate: bool) -> Path:
         "evaluation_max_new_tokens": args.max_new_tokens, "evaluation_output_dir": str(run_dir / "evaluation"),
         "evaluation_device": args.device, "evaluation_batch_tokens": args.eval_batch_tokens,
     })
+    if args.replicas_per_gpu > 1:
+        # K engine processes on the one GPU (the small target's decode is bound by one process's Python): the
+        # example's batch and concurrency per GPU spread over them.
+        per = ["--replicas-per-device", str(args.replicas_per_gpu)]
+        settings["sglang_server_dp_size"] = args.replicas_per_gpu
+        settings["sglang_server_extra_args"] = list(settings.get("sglang_server_extra_args", [])) + per
+        batch = list(settings.get("regeneration_server_extra_args", []))
+        if "--max-batch-size" in batch:
+            at = batch.index("--max-batch-size") + 1
+            batch[at] = str(max(1, int(batch[at]) // args.replicas_per_gpu))
+        settings["regeneration_server_extra_args"] = batch + per
     for key in ("epochs", "lr", "batch_tokens"):
         value = getattr(args, key)
         if value is not None:
@@ -386,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="also measure every drafter on this many held-out prompts of at least "
                         "--long-min-tokens tokens (0: none)")
     parser.add_argument("--long-min-tokens", type=int, default=1000, help="the long prompts' least length")
+    parser.add_argument("--replicas-per-gpu", type=int, default=1, metavar="K",
+                        help="the capture and regeneration servers as K reference-engine replicas on the GPU "
+                        "(sglang_server_dp_size K, --replicas-per-device K; the example's batch split over them)")
     parser.add_argument("--epochs", type=int, help="default: the example inventory's")
     parser.add_argument("--lr", type=float, help="default: the example inventory's")
     parser.add_argument("--batch-tokens", type=int, help="default: the example inventory's")

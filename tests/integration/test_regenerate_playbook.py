@@ -10,6 +10,7 @@ that starts no server and changes nothing.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -139,9 +140,16 @@ def test_a_mixture_of_sources_in_the_inventory_is_regenerated_with_each_sources_
     assert not out.exists()
 
     extravars["regeneration_dataset"][1] = {"path": str(second), "name": "ours"}
-    done = Run(run_project_playbook(tmp_path_factory.mktemp("runner"), PLAYBOOK, INVENTORY, extravars))
+    # And the serving server as two replicas behind its one address (one per GPU on a GPU host; two CPU
+    # processes here), its dp_size checked live by the role like every other setting.
+    done = Run(run_project_playbook(tmp_path_factory.mktemp("runner"), PLAYBOOK, INVENTORY,
+                                    {**extravars, "sglang_server_dp_size": 2}))
 
     assert done.status == "successful", done.stdout
     ids = [json.loads(line)["id"] for line in (out / "regenerated.jsonl").read_text().splitlines()]
     assert [i.split(".")[0] for i in ids] == ["sharegpt"] * 3 + ["ours"] * 3
     assert json.loads((out / "regeneration.json").read_text())["sources"] == {"ours": 3, "sharegpt": 3}
+    log = next((tmp_path / "servers").glob("*.log")).read_text()
+    assert "dp_size=2 replicas: replica 0" in log and "[replica 1/2]" in log
+    answered = [int(n) for n in re.findall(r"replica \d \(pid \d+, [^)]*\) answered (\d+) request", log)]
+    assert len(answered) == 2 and min(answered) >= 1, log  # both replicas regenerated

@@ -243,7 +243,8 @@ def test_a_serving_reference_plan_captures_nothing_and_batches_large(model_dir):
     at = plan["argv"].index("--max-batch-size")
     assert plan["argv"][at + 1] == str(SERVE_MAX_BATCH_SIZE)
     assert plan["expected_server_info"] == {"engine": "reference", "model_path": str(model_dir),
-                                            "enable_return_aux_hidden_states": False, "capture_dir": None}
+                                            "enable_return_aux_hidden_states": False, "capture_dir": None,
+                                            "dp_size": 1}
     assert plan["probe_input_ids"] == [] and plan["num_aux"] == 0 and plan["purpose"] == "serve"
     extra = server_plan("reference", "py", str(model_dir), "127.0.0.1", 30100, "", purpose="serve",
                         extra_args=["--max-batch-size", "8"])

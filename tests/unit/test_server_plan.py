@@ -43,6 +43,11 @@ def test_reference_plan_has_the_capture_settings_and_probe(model_dir, tmp_path):
     with_key = server_plan("reference", "py", str(model_dir), "127.0.0.1", 30080, "c", api_key_file="/s/k.env")
     assert with_key["argv"][with_key["argv"].index("--api-key-env") + 1] == "EAGLE3_API_KEY"
     assert with_key["secret_format"] == "env"
+    assert "--dp-size" not in argv and plan["expected_server_info"]["dp_size"] == 1
+    for purpose in ("capture", "serve"):  # replicas over the GPUs, checked live as dp_size
+        replicas = server_plan("reference", "py", str(model_dir), "127.0.0.1", 30080, "c", purpose=purpose, dp_size=4)
+        assert replicas["argv"][replicas["argv"].index("--dp-size") + 1] == "4"
+        assert replicas["expected_server_info"]["dp_size"] == 4
 
 
 def test_sglang_plan_keeps_the_key_out_of_argv_and_refuses_unsafe_extras(model_dir):
@@ -78,7 +83,8 @@ def test_secret_file_is_private_and_idempotent(tmp_path):
         ({"port": 70000}, "sglang_server_port"),
         ({"aux_layers": [2, 9]}, "sglang_server_aux_layers"),
         ({"tp_size": 2}, "sglang_server_tp_size"),
-        ({"dp_size": 2}, "sglang_server_dp_size: the reference engine serves one replica"),
+        ({"dp_size": 0}, "sglang_server_dp_size: 0 is not a replica count"),
+        ({"extra_args": ["--dp-size", "2"]}, "--dp-size is set by the role itself"),
         ({"engine": "sglang", "dp_size": 0}, "sglang_server_dp_size: 0 is not a replica count"),
         ({"engine": "sglang", "extra_args": ["--dp-size", "2"]},
          r"--dp-size is set by the sglang_server role \(set from sglang_server_dp_size\)"),

@@ -93,8 +93,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from eagle3_pipeline import __version__
+from eagle3_pipeline.atomic import atomic_write_text
 from eagle3_pipeline.capture.layers import AUX_LAYER_CONVENTION
-from eagle3_pipeline.cli_args import path_str
+from eagle3_pipeline.cli_args import options_argv, path_str, positive_int
 from eagle3_pipeline.engine.api import ModelLimits, RequestError, build_generate_response, parse_generate_request
 from eagle3_pipeline.engine.batcher import LOG, GenerateJob, SamplingConfig, ServiceUnavailable
 
@@ -109,24 +110,18 @@ _ROUTES = {
 }
 
 
-class ReferenceEngine:
-    """The server's state: the model worker, the settings, the rids in flight."""
+class EndpointState:
+    """What every HTTP front of this engine keeps: the key, draining, the requests being handled, the rids in
+    flight (``ReferenceEngine`` over one model, ``replicas.ReplicaFront`` over several replica processes)."""
 
-    def __init__(self, runner, worker, host: str, port: int, api_key: str | None, settings: dict):
-        self.runner = runner
-        self.worker = worker
-        self.host = host
-        self.port = port
+    def __init__(self, api_key: str | None):
         self.api_key = api_key
-        self.settings = settings
-        self.limits = ModelLimits(runner.vocab_size, runner.context_length, runner.tokenizer)
         self.draining = threading.Event()
         self._lock = threading.Lock()
         self._inflight: set[str] = set()
         self._active = 0  # requests being handled (for the shutdown wait)
         self._idle = threading.Condition(self._lock)
 
-    # -- bookkeeping -----------------------------------------------------------------------
     def enter(self) -> None:
         """A request handler started."""
         with self._lock:
@@ -156,6 +151,30 @@ class ReferenceEngine:
         scheme, _, token = (header or "").partition(" ")
         return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), self.api_key.encode())
 
+    def claim(self, rid: str) -> None:
+        """Mark ``rid`` in flight; a rid already in flight is refused as SGLang refuses it."""
+        with self._lock:
+            if rid in self._inflight:
+                raise RequestError(f"Duplicate request ID detected: {rid}", "rid")
+            self._inflight.add(rid)
+
+    def release(self, rid: str) -> None:
+        with self._lock:
+            self._inflight.discard(rid)
+
+
+class ReferenceEngine(EndpointState):
+    """The server's state: the model worker, the settings, the rids in flight."""
+
+    def __init__(self, runner, worker, host: str, port: int, api_key: str | None, settings: dict):
+        super().__init__(api_key)
+        self.runner = runner
+        self.worker = worker
+        self.host = host
+        self.port = port
+        self.settings = settings
+        self.limits = ModelLimits(runner.vocab_size, runner.context_length, runner.tokenizer)
+
     # -- endpoints -------------------------------------------------------------------------
     def generate(self, raw: bytes) -> tuple[int, dict]:
         """Handle one /generate body; (status, JSON body)."""
@@ -167,17 +186,13 @@ class ReferenceEngine:
         if body is None:
             raise RequestError("the request body is empty: send a JSON object with input_ids or text", None)
         request = parse_generate_request(body, self.limits)
-        with self._lock:
-            if request.rid in self._inflight:
-                raise RequestError(f"Duplicate request ID detected: {request.rid}", "rid")
-            self._inflight.add(request.rid)
+        self.claim(request.rid)
         try:
             future = self.worker.submit(request.job(capture=True))
             outcome = future.result()
             return 200, build_generate_response(request, outcome, self.runner.tokenizer, time.monotonic() - started)
         finally:
-            with self._lock:
-                self._inflight.discard(request.rid)
+            self.release(request.rid)
 
     def health_generate(self) -> int:
         """Run a 1-token request through the model worker (SGLang's health_generate); 200 or 503."""
@@ -252,6 +267,7 @@ class ReferenceEngine:
             "continuous_batching": True,
             "batch_wait_ms": self.settings.get("batch_wait_ms"),
             "api_key_required": self.api_key is not None,
+            "requests_answered": self.worker.requests,
         }
 
 
@@ -416,14 +432,33 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="as SGLang's: debug adds a line for each request and each batch's prefill")
     parser.add_argument("--shutdown-grace-s", type=float, default=30.0,
                         help="on SIGTERM, how long running requests may take to finish")
+    parser.add_argument("--dp-size", type=positive_int, default=1,
+                        help="replicas of the model, one process per GPU (replica i sees the i-th device of "
+                        "CUDA_VISIBLE_DEVICES, or GPU i), behind this one address; each /generate goes to the replica "
+                        "with the fewest requests in flight (SGLang's --dp-size; engine/replicas.py)")
+    parser.add_argument("--replicas-per-device", type=positive_int, default=1, metavar="K",
+                        help="with --dp-size N, K replicas share each GPU (replica i on the (i // K)-th device; N/K "
+                        "devices): for a small model whose decode is bound by one process's Python rather than by "
+                        "its GPU; each replica's default slot cache is 1/K of the usual")
+    # Set by the front for each replica it starts, never by hand.
+    parser.add_argument("--replica", type=_replica_label, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--ready-file", type=path_str, default=None, help=argparse.SUPPRESS)
 
 
-def _setup_logging(log_file: str | None, level: str = "info") -> None:
+def _replica_label(text: str) -> tuple[int, int]:
+    index, sep, count = text.partition("/")
+    if not sep or not index.isdigit() or not count.isdigit() or int(index) >= int(count):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected INDEX/COUNT, e.g. 0/8")
+    return int(index), int(count)
+
+
+def _setup_logging(log_file: str | None, level: str = "info", replica: tuple[int, int] | None = None) -> None:
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_file:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(log_file))
-    formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    where = f" [replica {replica[0]}/{replica[1]}]" if replica else ""
+    formatter = logging.Formatter(f"%(asctime)s %(levelname)s %(name)s{where}: %(message)s")
     for handler in handlers:
         handler.setFormatter(formatter)
         LOG.addHandler(handler)
@@ -431,9 +466,18 @@ def _setup_logging(log_file: str | None, level: str = "info") -> None:
     LOG.propagate = False
 
 
+def _setting_error(args: argparse.Namespace) -> str | None:
+    if args.max_batch_size < 1:
+        return f"--max-batch-size must be at least 1, got {args.max_batch_size}"
+    if args.replica is None and args.replicas_per_device > args.dp_size:
+        return (f"--replicas-per-device {args.replicas_per_device}: more than the {args.dp_size} replica(s) of "
+                f"--dp-size (sglang_server_dp_size); set --dp-size to the GPUs times {args.replicas_per_device}")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or SIGINT; 0 on a clean stop, 2 on a bad setting."""
-    _setup_logging(args.log_file, args.log_level)
+    _setup_logging(args.log_file, args.log_level, args.replica)
     api_key = None
     if args.api_key_env:
         api_key = os.environ.get(args.api_key_env) or None
@@ -441,9 +485,16 @@ def run(args: argparse.Namespace) -> int:
             LOG.error("--api-key-env %s: that environment variable is unset or empty; export the key in it",
                       args.api_key_env)
             return 2
-    if args.max_batch_size < 1:
-        LOG.error("--max-batch-size must be at least 1, got %d", args.max_batch_size)
+    error = _setting_error(args)
+    if error:
+        LOG.error("%s", error)
         return 2
+    if args.dp_size > 1:
+        from eagle3_pipeline.engine import replicas  # noqa: PLC0415
+
+        parser = argparse.ArgumentParser()
+        configure_parser(parser)
+        return replicas.run(args, options_argv(args, parser._actions, replicas.FRONT_ONLY), api_key)  # noqa: SLF001
     from transformers.utils import logging as hf_logging  # noqa: PLC0415 - heavy, only when serving
 
     from eagle3_pipeline.engine.batcher import BatchWorker, ModelRunner  # noqa: PLC0415
@@ -457,7 +508,8 @@ def run(args: argparse.Namespace) -> int:
     if args.decode == "slots":
         from eagle3_pipeline.engine.slots import plan_slots  # noqa: PLC0415
 
-        slots, slot_tokens = plan_slots(runner.model, args.max_batch_size, args.slot_tokens, args.kv_cache_gib)
+        slots, slot_tokens = plan_slots(runner.model, args.max_batch_size, args.slot_tokens, args.kv_cache_gib,
+                                        args.replicas_per_device if args.replica else 1)
         runner.enable_slots(slots, slot_tokens, args.cuda_graphs)
     else:
         runner.decode_path = "transformers (--decode transformers)"
@@ -477,9 +529,12 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda *_: stop.set())
     serving = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="http", daemon=True)
     serving.start()
+    if args.ready_file:  # a replica: its front waits for this file, then sends it requests on this port
+        atomic_write_text(Path(args.ready_file), json.dumps({"port": engine.port, "pid": os.getpid()}))
+    what = "replica ready on" if args.replica else "reference engine serving"  # the front's line says "serving"
     LOG.info(
-        "reference engine serving http://%s:%d model=%s device=%s dtype=%s aux_layers=%s capture_dir=%s "
-        "max_batch_size=%d decode=%s api_key=%s", args.host, engine.port, runner.model_path, runner.device.type,
+        "%s http://%s:%d model=%s device=%s dtype=%s aux_layers=%s capture_dir=%s max_batch_size=%d decode=%s "
+        "api_key=%s", what, args.host, engine.port, runner.model_path, runner.device.type,
         runner.dtype_name, runner.aux_layers, runner.capture_dir, worker.max_batch_size, runner.decode_path,
         "required" if api_key else "none",
     )

@@ -74,11 +74,12 @@ def bytes_per_token(model, dtype: torch.dtype) -> int:
     return int(config.num_hidden_layers) * 2 * kv_heads * int(attention.head_dim) * dtype.itemsize
 
 
-def plan_slots(model, max_batch_size: int, slot_tokens: int, cache_gib: float) -> tuple[int, int]:
+def plan_slots(model, max_batch_size: int, slot_tokens: int, cache_gib: float, share: int = 1) -> tuple[int, int]:
     """(slots, tokens a slot): ``max_batch_size`` slots of ``slot_tokens`` (capped at the model's context
     length), fewer when they would take more than ``cache_gib`` GiB (0: half the GPU memory free now on
-    CUDA, 2 GiB on the CPU). A model that cannot decode over slots (``unsupported``: multi-latent
-    attention, say) gets none: its server keeps the transformers path."""
+    CUDA, 2 GiB on the CPU, divided by ``share``, the processes that share the device). A model that cannot
+    decode over slots (``unsupported``: multi-latent attention, say) gets none: its server keeps the
+    transformers path."""
     if unsupported(model) is not None:
         return 0, int(slot_tokens)
     weight = model.get_input_embeddings().weight
@@ -86,6 +87,7 @@ def plan_slots(model, max_batch_size: int, slot_tokens: int, cache_gib: float) -
     slot_tokens = max(1, min(int(slot_tokens), context))
     if cache_gib <= 0:
         cache_gib = (torch.cuda.mem_get_info(weight.device)[0] / 2**31 if weight.device.type == "cuda" else 2.0)
+        cache_gib /= max(1, int(share))
     per_slot = slot_tokens * bytes_per_token(model, weight.dtype)
     fit = int(cache_gib * 2**30 // per_slot) - 1  # one slot of scratch
     return max(0, min(int(max_batch_size), fit)), slot_tokens

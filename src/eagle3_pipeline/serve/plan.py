@@ -28,7 +28,8 @@ SERVE_MAX_BATCH_SIZE = 64
 # A probe prompt of 32 token ids that exist in any vocabulary larger than 64.
 PROBE_INPUT_IDS = list(range(16, 48))
 # Flags of the reference engine that the role sets itself; extras may not repeat them.
-REFERENCE_OWN_FLAGS = ("--model-path", "--host", "--port", "--capture-dir", "--aux-layers", "--device", "--api-key-env")
+REFERENCE_OWN_FLAGS = ("--model-path", "--host", "--port", "--capture-dir", "--aux-layers", "--device", "--api-key-env",
+                       "--dp-size")
 API_KEY_ENV = "EAGLE3_API_KEY"  # the reference engine reads its key from this variable
 
 
@@ -51,9 +52,10 @@ def read_model_config(model_path: str) -> dict:
 
 
 def reference_argv(python: str, model_path: str, host: str, port: int, aux_layers: list[int], capture_dir: str,
-                   device: str, api_key: bool, extra_args: list[str], purpose: str = "capture") -> list[str]:
+                   device: str, api_key: bool, extra_args: list[str], purpose: str = "capture",
+                   dp_size: int = 1) -> list[str]:
     """The reference engine's command line; for serving, without a capture directory and with a
-    large batch (an extra ``--max-batch-size`` given after it wins)."""
+    large batch (an extra ``--max-batch-size`` given after it wins); ``dp_size`` replicas, one per GPU."""
     for arg in extra_args:
         flag = arg.split("=", 1)[0]
         if flag in REFERENCE_OWN_FLAGS:
@@ -69,6 +71,8 @@ def reference_argv(python: str, model_path: str, host: str, port: int, aux_layer
     else:
         argv += ["--max-batch-size", str(SERVE_MAX_BATCH_SIZE)]
     argv += ["--device", device]
+    if dp_size > 1:
+        argv += ["--dp-size", str(dp_size)]
     if api_key:
         argv += ["--api-key-env", API_KEY_ENV]
     return argv + list(extra_args)
@@ -106,10 +110,8 @@ def server_plan(engine: str, python: str, model_path: str, host: str, port: int,
     if engine == "reference":
         if tp_size != 1:
             raise PlanError("sglang_server_tp_size: the reference engine runs on one device; set it to 1")
-        if dp_size != 1:
-            raise PlanError("sglang_server_dp_size: the reference engine serves one replica on one device; set it "
-                            "to 1 (SGLang's engine runs several replicas: sglang_server_engine: sglang)")
-        argv = reference_argv(python, model_path, host, port, aux, capture_dir, device, api_key, extra_args, purpose)
+        argv = reference_argv(python, model_path, host, port, aux, capture_dir, device, api_key, extra_args, purpose,
+                              dp_size)
         if purpose == "capture":
             expected = {
                 "engine": "reference",
@@ -118,10 +120,11 @@ def server_plan(engine: str, python: str, model_path: str, host: str, port: int,
                 "chunked_prefill_size": -1,
                 "enable_return_aux_hidden_states": True,
                 "aux_layers": aux,
+                "dp_size": dp_size,
             }
         else:
             expected = {"engine": "reference", "model_path": model_path, "enable_return_aux_hidden_states": False,
-                        "capture_dir": None}
+                        "capture_dir": None, "dp_size": dp_size}
         secret_format = "env" if api_key else None
     else:
         from eagle3_pipeline.serve import sglang_command  # noqa: PLC0415 - only for the sglang engine

@@ -1,0 +1,246 @@
+"""Benchmark: regeneration and extraction tokens/s of one reference-engine process against replicas of it.
+
+Layouts ``NxK``: N GPUs with K replicas on each (``sglang_server_dp_size`` N*K, ``--replicas-per-device K``);
+``1x1`` is one engine process, the baseline. Every layout runs, side by side in one run, the same two stages as
+site.yml runs them, over the same conversations:
+
+- ``regenerate``: the serving server (``serve/plan.py``'s argv for ``purpose: serve``, ``--max-batch-size``
+  per GPU split over its K replicas) and ``eagle3-pipeline regenerate`` with ``--concurrency`` per GPU times
+  N; generated tokens (``regeneration.json``) over the command's wall time;
+- ``extract``: the capture server (``purpose: capture``) and ``eagle3-pipeline extract`` over the first
+  layout's regenerated conversations (the same token ids for every layout), every sample verified as the role
+  does; stored tokens (``data_config.json``) over the command's wall time. The data is deleted after each
+  layout (disk).
+
+Both times are the client's whole command, tokenizer load and merge included, so they are what an operator
+waits for. Printed: one line per stage and layout, the ratio to ``1x1``, and how many conversations each
+layout regenerated exactly as ``1x1`` did (greedy in bf16: a batch of another size may break a near-tie
+differently, so this is a count, not a check); then the result as JSON.
+
+    python3 bench/replicas.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --dataset ShareGPT.json --work /var/tmp/rep \\
+        --conversations 1000 --layouts 1x1,1x2,1x4          # one GPU
+    python3 bench/replicas.py ... --layouts 1x1,8x1            # eight GPUs: at least 0.9 x linear is the target
+    .venv/bin/python bench/replicas.py --model-path .cache/models/tiny-llama --dataset demo.jsonl \\
+        --work /tmp/rep --device cpu --conversations 16 --layouts 1x1,1x2 --max-new-tokens 8   # the CPU, a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from eagle3_pipeline.serve.plan import server_plan  # noqa: E402
+from eagle3_pipeline.server_client import EngineClient  # noqa: E402
+
+
+def say(message: str) -> None:
+    print(f"[replicas] {message}", flush=True)
+
+
+def env() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [str(ROOT / "src"), os.environ.get("PYTHONPATH")]
+                                                        if p))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def parse_layout(text: str) -> tuple[int, int]:
+    gpus, sep, per = text.partition("x")
+    if not sep or not gpus.isdigit() or not per.isdigit() or int(gpus) < 1 or int(per) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a layout is GPUSxREPLICAS, e.g. 1x4 or 8x1")
+    return int(gpus), int(per)
+
+
+class Server:
+    """A server started from its plan in its own session; stopped with SIGTERM to the session."""
+
+    def __init__(self, plan: dict, port: int, log: Path, timeout_s: float = 900.0):
+        self.log = log
+        with open(log, "w") as handle:
+            self.proc = subprocess.Popen(plan["argv"], stdout=handle, stderr=subprocess.STDOUT, env=env(),  # noqa: S603
+                                         start_new_session=True)
+        self.url = f"http://127.0.0.1:{port}"
+        client = EngineClient(self.url, timeout_s=5, retries=0)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}: {log.read_text()[-3000:]}")
+            try:
+                self.info = client.call("GET", "/server_info")
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError(f"no server within {timeout_s:.0f} s: {log.read_text()[-3000:]}") from None
+                time.sleep(0.5)
+        wrong = {key: (self.info.get(key), want) for key, want in plan["expected_server_info"].items()
+                 if self.info.get(key) != want}
+        if wrong:
+            self.stop()
+            raise RuntimeError(f"the server's live settings differ from its plan (got, wanted): {wrong}")
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=120)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
+def timed(argv: list[str], log: Path) -> float:
+    started = time.perf_counter()
+    with open(log, "w") as handle:
+        rc = subprocess.run(argv, stdout=handle, stderr=subprocess.STDOUT, env=env(), check=False).returncode
+    if rc != 0:
+        raise RuntimeError(f"{' '.join(argv[3:5])} exited with {rc}: {log.read_text()[-3000:]}")
+    return time.perf_counter() - started
+
+
+def layout_plan(args, purpose: str, gpus: int, per: int, port: int, capture_dir: Path) -> dict:
+    extra = ["--replicas-per-device", str(per)] if gpus * per > 1 else []
+    if purpose == "serve":
+        extra = ["--max-batch-size", str(max(1, args.batch // per))] + extra
+    return server_plan("reference", sys.executable, str(args.model_path), "127.0.0.1", port, str(capture_dir),
+                       device=args.device, extra_args=extra, purpose=purpose, dp_size=gpus * per)
+
+
+def regenerate(args, name: str, gpus: int, per: int) -> dict:
+    out = args.work / f"regenerated-{name}"
+    shutil.rmtree(out, ignore_errors=True)
+    port = free_port()
+    server = Server(layout_plan(args, "serve", gpus, per, port, args.work / "capture"), port,
+                    args.work / f"serve-{name}.log")
+    try:
+        seconds = timed([sys.executable, "-m", "eagle3_pipeline.cli", "regenerate", "--dataset", str(args.dataset),
+                         "--output-dir", str(out), "--server-url", server.url, "--num-samples",
+                         str(args.conversations), "--concurrency", str(args.regeneration_concurrency * gpus),
+                         "--max-new-tokens", str(args.max_new_tokens), "--max-length", str(args.max_length),
+                         "--model-path", str(args.model_path), "--quiet"], args.work / f"regenerate-{name}.log")
+    finally:
+        server.stop()
+    summary = json.loads((out / "regeneration.json").read_text())
+    tokens = int(summary["generated_tokens"])
+    return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+            "conversations": summary["num_conversations"], "output": out}
+
+
+def extract(args, name: str, gpus: int, per: int, dataset: Path) -> dict:
+    out = args.work / f"data-{name}"
+    capture = Path(args.capture_root) / f"e3p-replicas-{os.getpid()}-{name}"
+    for path in (out, capture):
+        shutil.rmtree(path, ignore_errors=True)
+    capture.mkdir(parents=True)
+    port = free_port()
+    server = Server(layout_plan(args, "capture", gpus, per, port, capture), port, args.work / f"capture-{name}.log")
+    try:
+        seconds = timed([sys.executable, "-m", "eagle3_pipeline.cli", "extract", "--dataset", str(dataset),
+                         "--output-dir", str(out), "--server-url", server.url, "--capture-dir", str(capture),
+                         "--max-length", str(args.max_length), "--concurrency",
+                         str(args.extraction_concurrency * gpus), "--model-path", str(args.model_path),
+                         "--max-skip-ratio", "0.2", "--quiet"], args.work / f"extract-{name}.log")
+    finally:
+        server.stop()
+        shutil.rmtree(capture, ignore_errors=True)
+    manifest = json.loads((out / "data_config.json").read_text())
+    shutil.rmtree(out, ignore_errors=True)
+    tokens = int(manifest["num_tokens"])
+    return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+            "samples": manifest["num_samples"]}
+
+
+def same_answers(first: Path, other: Path) -> tuple[int, int]:
+    def read(path: Path) -> dict:
+        rows = {}
+        for line in (path / "regenerated.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            rows[record.get("id")] = json.dumps(record, sort_keys=True)
+        return rows
+
+    mine, theirs = read(first), read(other)
+    return sum(1 for key, value in mine.items() if theirs.get(key) == value), len(mine)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--model-path", type=Path, help="the target, a Hugging Face model directory")
+    where.add_argument("--gguf", type=Path, help="the target as a GGUF file (imported once under --work)")
+    parser.add_argument("--dataset", type=Path, required=True, help="conversations (ShareGPT, JSON Lines, ...)")
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--conversations", type=int, default=1000)
+    parser.add_argument("--layouts", type=lambda text: [parse_layout(t) for t in text.split(",")],
+                        default=[(1, 1), (1, 2), (1, 4)], help="GPUSxREPLICAS,... (the first is the baseline)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-length", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=512, help="the serving server's batch per GPU")
+    parser.add_argument("--regeneration-concurrency", type=int, default=512, help="conversations in flight per GPU")
+    parser.add_argument("--extraction-concurrency", type=int, default=32, help="samples in flight per GPU")
+    parser.add_argument("--capture-root", default="/dev/shm" if Path("/dev/shm").is_dir() else "/tmp")
+    parser.add_argument("--skip-extract", action="store_true")
+    parser.add_argument("--json", type=Path, help="also write the result here")
+    args = parser.parse_args(argv)
+    args.work = args.work.resolve()
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.gguf is not None:
+        args.model_path = args.work / "model"
+        if not (args.model_path / "config.json").is_file():
+            timed([sys.executable, "-m", "eagle3_pipeline.cli", "import-gguf", "--gguf", str(args.gguf.resolve()),
+                   "--output", str(args.model_path)], args.work / "import-gguf.log")
+    args.model_path = args.model_path.resolve()
+    rows = []
+    first = None
+    for gpus, per in args.layouts:
+        name = f"{gpus}x{per}"
+        row = {"layout": name, "gpus": gpus, "replicas_per_gpu": per}
+        row["regenerate"] = regenerate(args, name, gpus, per)
+        output = row["regenerate"].pop("output")
+        first = first or output
+        row["regenerate"]["same_as_first"], row["regenerate"]["compared"] = same_answers(first, output)
+        say(f"{name} regenerate: {row['regenerate']['tokens']:,} tokens in {row['regenerate']['seconds']:.1f} s, "
+            f"{row['regenerate']['tokens_per_s']:,.0f} tokens/s; {row['regenerate']['same_as_first']} of "
+            f"{row['regenerate']['compared']} conversations as the first layout")
+        if not args.skip_extract:
+            row["extract"] = extract(args, name, gpus, per, first / "regenerated.jsonl")
+            say(f"{name} extract: {row['extract']['tokens']:,} tokens in {row['extract']['seconds']:.1f} s, "
+                f"{row['extract']['tokens_per_s']:,.0f} tokens/s")
+        rows.append(row)
+    base = rows[0]
+    print(f"\n| layout | processes | regenerate tokens/s | x {base['layout']} | same answers | extract tokens/s | "
+          f"x {base['layout']} |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        regen, ext = row["regenerate"], row.get("extract")
+        print(f"| {row['layout']} | {row['gpus'] * row['replicas_per_gpu']} | {regen['tokens_per_s']:,.0f} | "
+              f"{regen['tokens_per_s'] / base['regenerate']['tokens_per_s']:.2f} | {regen['same_as_first']}/"
+              f"{regen['compared']} | " + (f"{ext['tokens_per_s']:,.0f} | "
+                                           f"{ext['tokens_per_s'] / base['extract']['tokens_per_s']:.2f} |"
+                                           if ext else "- | - |"))
+    result = {"rows": rows, "settings": {key: str(value) if isinstance(value, Path) else value
+                                         for key, value in vars(args).items() if key != "layouts"}}
+    print(json.dumps(result, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
