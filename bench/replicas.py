@@ -134,12 +134,18 @@ def regenerate(args, name: str, gpus: int, per: int) -> dict:
                          str(args.conversations), "--concurrency", str(args.regeneration_concurrency * gpus),
                          "--max-new-tokens", str(args.max_new_tokens), "--max-length", str(args.max_length),
                          "--model-path", str(args.model_path), "--quiet"], args.work / f"regenerate-{name}.log")
+        info = EngineClient(server.url, timeout_s=60, retries=0).call("GET", "/server_info")
     finally:
         server.stop()
+    # Each process's model thread: the rows a decode step carried, and the share of its time spent decoding.
+    workers = [r["worker"] for r in info["replicas"]] if "replicas" in info else [info["worker"]]
     summary = json.loads((out / "regeneration.json").read_text())
     tokens = int(summary["generated_tokens"])
     return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
-            "conversations": summary["num_conversations"], "output": out}
+            "conversations": summary["num_conversations"], "output": out, "workers": workers,
+            "mean_decode_batch": sum(w["mean_decode_batch"] for w in workers) / len(workers),
+            "decode_share": sum(w["decode_s"] / w["wall_s"] for w in workers) / len(workers),
+            "prefill_share": sum(w["prefill_s"] / w["wall_s"] for w in workers) / len(workers)}
 
 
 def extract(args, name: str, gpus: int, per: int, dataset: Path) -> dict:
@@ -216,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         first = first or output
         row["regenerate"]["same_as_first"], row["regenerate"]["compared"] = same_answers(first, output)
         say(f"{name} regenerate: {row['regenerate']['tokens']:,} tokens in {row['regenerate']['seconds']:.1f} s, "
-            f"{row['regenerate']['tokens_per_s']:,.0f} tokens/s; {row['regenerate']['same_as_first']} of "
+            f"{row['regenerate']['tokens_per_s']:,.0f} tokens/s; a decode step carried "
+            f"{row['regenerate']['mean_decode_batch']:.0f} requests on average, each process decoding "
+            f"{row['regenerate']['decode_share']:.0%} and prefilling {row['regenerate']['prefill_share']:.0%} of "
+            f"the time; {row['regenerate']['same_as_first']} of "
             f"{row['regenerate']['compared']} conversations as the first layout")
         if not args.skip_extract:
             row["extract"] = extract(args, name, gpus, per, first / "regenerated.jsonl")
@@ -224,13 +233,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['extract']['tokens_per_s']:,.0f} tokens/s")
         rows.append(row)
     base = rows[0]
-    print(f"\n| layout | processes | regenerate tokens/s | x {base['layout']} | same answers | extract tokens/s | "
-          f"x {base['layout']} |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\n| layout | processes | regenerate tokens/s | x {base['layout']} | mean decode batch | decoding | "
+          f"same answers | extract tokens/s | x {base['layout']} |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         regen, ext = row["regenerate"], row.get("extract")
         print(f"| {row['layout']} | {row['gpus'] * row['replicas_per_gpu']} | {regen['tokens_per_s']:,.0f} | "
-              f"{regen['tokens_per_s'] / base['regenerate']['tokens_per_s']:.2f} | {regen['same_as_first']}/"
+              f"{regen['tokens_per_s'] / base['regenerate']['tokens_per_s']:.2f} | {regen['mean_decode_batch']:.0f} | "
+              f"{regen['decode_share']:.0%} | {regen['same_as_first']}/"
               f"{regen['compared']} | " + (f"{ext['tokens_per_s']:,.0f} | "
                                            f"{ext['tokens_per_s'] / base['extract']['tokens_per_s']:.2f} |"
                                            if ext else "- | - |"))

@@ -37,6 +37,8 @@ def test_one_process_against_two_replicas_side_by_side(tiny_model_dir, tmp_path)
     for row in rows:
         assert row["regenerate"]["conversations"] == 12 and row["regenerate"]["tokens"] > 0
         assert row["regenerate"]["compared"] == 12
+        assert row["regenerate"]["mean_decode_batch"] >= 1 and 0 < row["regenerate"]["decode_share"] < 1
+        assert len(row["regenerate"]["workers"]) == row["gpus"] * row["replicas_per_gpu"]
         # Every regenerated conversation extracted: the same stored tokens whichever server answered.
         assert row["extract"]["samples"] == 12 and row["extract"]["tokens"] == rows[0]["extract"]["tokens"]
     assert rows[0]["regenerate"]["same_as_first"] == 12

@@ -135,6 +135,13 @@ def test_concurrent_requests_are_spread_over_the_replicas_and_each_is_right(serv
     after = {r["index"]: r["requests_answered"] for r in server.call("GET", "/server_info")[1]["replicas"]}
     answered = {index: after[index] - before[index] for index in after}  # as each replica counts them itself
     assert sum(answered.values()) == 8 and min(answered.values()) >= 1, answered
+    # Each replica's model thread accounts for its time: every request decoded 3 steps after its prefill.
+    info = server.call("GET", "/server_info")[1]
+    assert info["requests_answered"] == sum(after.values()) and "worker" not in info
+    for replica in info["replicas"]:
+        worker = replica["worker"]
+        assert worker["decode_steps"] >= 3 and worker["mean_decode_batch"] >= 1.0, worker
+        assert 0 < worker["decode_s"] + worker["prefill_s"] + worker["idle_s"] <= worker["wall_s"], worker
 
 
 def test_a_rid_in_flight_on_one_replica_is_refused_on_the_other(server):

@@ -804,11 +804,36 @@ class BatchWorker:
         self.requests = 0  # requests answered
         self.admitted = 0  # requests that joined a batch already decoding
         self._queued_since: float | None = None  # when a job first queued behind a running batch
+        # Where the model thread's time goes (``stats``): decode steps and the rows they carried, seconds
+        # decoding, prefilling and waiting with nothing to run.
+        self.decode_steps = 0
+        self.decode_rows = 0
+        self.decode_s = 0.0
+        self.prefill_s = 0.0
+        self.idle_s = 0.0
+        self._started_at = time.monotonic()
 
     def start(self) -> BatchWorker:
         """Start the worker thread."""
         self._thread.start()
         return self
+
+    def stats(self) -> dict:
+        """The model thread's account since start: decode steps, the mean rows a step decoded, and the
+        seconds spent decoding, prefilling and idle (no request at all); the rest is the thread's own
+        bookkeeping between them."""
+        wall = max(time.monotonic() - self._started_at, 1e-9)
+        return {"decode_steps": self.decode_steps,
+                "mean_decode_batch": round(self.decode_rows / self.decode_steps, 1) if self.decode_steps else 0.0,
+                "decode_s": round(self.decode_s, 1), "prefill_s": round(self.prefill_s, 1),
+                "idle_s": round(self.idle_s, 1), "wall_s": round(wall, 1)}
+
+    def describe_stats(self) -> str:
+        """``stats`` as a sentence for the log."""
+        stats = self.stats()
+        return (f"{stats['decode_steps']} decode step(s) of {stats['mean_decode_batch']} request(s) on average, "
+                f"{stats['decode_s']} s decoding, {stats['prefill_s']} s prefilling, {stats['idle_s']} s idle of "
+                f"{stats['wall_s']} s")
 
     def submit(self, job: GenerateJob) -> Future:
         """Queue a job; its future gets a ``GenerateOutcome`` or an exception."""
@@ -870,6 +895,8 @@ class BatchWorker:
             for job in jobs:
                 job.future.set_exception(exc)
             return None
+        finally:
+            self.prefill_s += time.monotonic() - started
         self.batches += 1
         self._finish(finished)
         LOG.debug("prefill of %d request(s), %d prompt tokens, in %.1f ms", len(jobs),
@@ -911,7 +938,9 @@ class BatchWorker:
         while True:
             decoding = sum(len(batch.rows) for batch in running)
             if not running:
+                waited = time.monotonic()
                 jobs = self._next_batch()
+                self.idle_s += time.monotonic() - waited
                 if jobs is None:
                     if self._stopping.is_set():
                         return
@@ -921,6 +950,9 @@ class BatchWorker:
                 self._queued_since = None
                 running = self._admit(running, self._waiting(self.max_batch_size - decoding))
             for batch in running:
+                stepped = time.monotonic()
+                self.decode_steps += 1
+                self.decode_rows += len(batch.rows)
                 try:
                     self._finish(self.runner.step(batch))
                 except Exception as exc:  # noqa: BLE001 - the server stays up; these requests fail
@@ -928,6 +960,7 @@ class BatchWorker:
                     for row in batch.rows:
                         row.job.future.set_exception(exc)
                     self.runner.abandon(batch)
+                self.decode_s += time.monotonic() - stepped
             running = [batch for batch in running if batch.rows]
 
     def stop(self, grace_s: float = 30.0) -> int:

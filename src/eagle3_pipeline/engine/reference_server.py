@@ -268,6 +268,7 @@ class ReferenceEngine(EndpointState):
             "batch_wait_ms": self.settings.get("batch_wait_ms"),
             "api_key_required": self.api_key is not None,
             "requests_answered": self.worker.requests,
+            "worker": self.worker.stats(),
         }
 
 
@@ -547,7 +548,7 @@ def run(args: argparse.Namespace) -> int:
     engine.wait_idle(5.0)  # handlers write their responses (or errors)
     server.server_close()
     LOG.info("stopped: %d request(s) served in %d batch(es), %d of them joined a running decode; %d failed at "
-             "shutdown", worker.requests, worker.batches, worker.admitted, failed)
+             "shutdown; %s", worker.requests, worker.batches, worker.admitted, failed, worker.describe_stats())
     return 0
 
 

@@ -191,12 +191,17 @@ class ReplicaFront(EndpointState):
         first = answers[0][2]
         if first is None:
             raise ServiceUnavailable(f"{self.replicas[0].name} did not answer /server_info")
-        return {**first, "host": self.host, "port": self.port, "dp_size": len(self.replicas),
+        # Counts summed over the replicas; each replica's own account in its entry.
+        answered = sum((info or {}).get("requests_answered") or 0 for _r, _s, info in answers)
+        first = {key: value for key, value in first.items() if key != "worker"}
+        return {**first, "requests_answered": answered, "host": self.host, "port": self.port,
+                "dp_size": len(self.replicas),
                 "replicas_per_device": self.per_device,
                 "replicas": [{"index": r.index, "pid": r.proc.pid, "visible_device": r.visible_device,
                               "port": r.port, "device": (info or {}).get("device"),
                               "requests_answered": (info or {}).get("requests_answered"),
-                              "requests_dispatched": r.dispatched, "inflight": r.inflight}
+                              "requests_dispatched": r.dispatched, "inflight": r.inflight,
+                              "worker": (info or {}).get("worker")}
                              for r, _status, info in answers]}
 
 
