@@ -119,8 +119,8 @@ def write_inventory(work: Path, args, regenerate: bool) -> Path:
         "evaluation_device": args.device, "evaluation_batch_tokens": args.eval_batch_tokens,
     })
     if args.replicas_per_gpu > 1:
-        # K engine processes on the one GPU (the small target's decode is bound by one process's Python): the
-        # example's batch and concurrency per GPU spread over them.
+        # K engine processes on the one GPU (the extraction's capture checks and writes are CPU work a second
+        # process takes; docs/benchmarks.md): the example's serving batch per GPU split over them.
         per = ["--replicas-per-device", str(args.replicas_per_gpu)]
         settings["sglang_server_dp_size"] = args.replicas_per_gpu
         settings["sglang_server_extra_args"] = list(settings.get("sglang_server_extra_args", [])) + per

@@ -30,8 +30,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,23 +38,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+sys.path.insert(0, str(ROOT / "bench"))
+
+from extraction import _env as env  # noqa: E402  (bench/extraction.py: src on PYTHONPATH)
+from extraction import free_port, stop_server  # noqa: E402
+
 from eagle3_pipeline.serve.plan import server_plan  # noqa: E402
 from eagle3_pipeline.server_client import EngineClient  # noqa: E402
 
 
 def say(message: str) -> None:
     print(f"[replicas] {message}", flush=True)
-
-
-def env() -> dict:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [str(ROOT / "src"), os.environ.get("PYTHONPATH")]
-                                                        if p))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def parse_layout(text: str) -> tuple[int, int]:
@@ -95,14 +87,7 @@ class Server:
             raise RuntimeError(f"the server's live settings differ from its plan (got, wanted): {wrong}")
 
     def stop(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=120)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
+        stop_server(self.proc)
 
 
 def timed(argv: list[str], log: Path) -> float:

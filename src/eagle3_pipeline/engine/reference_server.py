@@ -439,8 +439,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         "with the fewest requests in flight (SGLang's --dp-size; engine/replicas.py)")
     parser.add_argument("--replicas-per-device", type=positive_int, default=1, metavar="K",
                         help="with --dp-size N, K replicas share each GPU (replica i on the (i // K)-th device; N/K "
-                        "devices): for a small model whose decode is bound by one process's Python rather than by "
-                        "its GPU; each replica's default slot cache is 1/K of the usual")
+                        "devices), each with 1/K of the default slot cache: the CPU work of one server (capture checks "
+                        "and writes) spread over K processes")
     # Set by the front for each replica it starts, never by hand.
     parser.add_argument("--replica", type=_replica_label, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--ready-file", type=path_str, default=None, help=argparse.SUPPRESS)

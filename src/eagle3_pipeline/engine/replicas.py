@@ -8,8 +8,9 @@ said it is ready, the front binds the address the role asked for and hands each 
 with the fewest requests in flight, so one extraction or regeneration client (its journal, resume and progress
 unchanged) keeps every GPU of the host busy. Processes, not threads: each replica's Python runs its own GPU's
 kernel launches and capture writes, without one interpreter lock between eight GPUs. ``--replicas-per-device K``
-puts K replicas on each GPU (replica ``i`` on device ``i // K``, each with 1/K of the default slot cache): a
-small model's decode loop is bound by its process's Python long before its GPU is busy.
+puts K replicas on each GPU (replica ``i`` on device ``i // K``, each with 1/K of the default slot cache): the
+CPU work of a small model's server spread over K processes (the extraction of SmolLM2 on an H100: 1.26x with
+two; its regeneration: no faster, docs/benchmarks.md).
 
 What the front answers itself: ``/health`` and ``/ready`` (503 while stopping), ``/health_generate`` (every
 replica must pass its own), the API key (the replicas require the same key; the front sends it on), and a
