@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -86,23 +87,40 @@ class Server:
             self.stop()
             raise RuntimeError(f"the server's live settings differ from its plan (got, wanted): {wrong}")
 
+    def cpu_seconds(self) -> float:
+        """CPU seconds (user and system) the server's processes used so far: the front and its replicas."""
+        import psutil  # noqa: PLC0415 - the GPU machine and the dev venv have it
+
+        root = psutil.Process(self.proc.pid)
+        total = 0.0
+        for proc in [root, *root.children(recursive=True)]:
+            try:
+                times = proc.cpu_times()
+            except psutil.Error:
+                continue
+            total += times.user + times.system
+        return total
+
     def stop(self) -> None:
         stop_server(self.proc)
 
 
-def timed(argv: list[str], log: Path) -> float:
-    started = time.perf_counter()
+def timed(argv: list[str], log: Path) -> tuple[float, float]:
+    """Run a client command; its wall seconds and the CPU seconds it used (user and system, its threads
+    together: a client near one second a second is bound by its own Python thread)."""
+    started, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(log, "w") as handle:
         rc = subprocess.run(argv, stdout=handle, stderr=subprocess.STDOUT, env=env(), check=False).returncode
     if rc != 0:
         raise RuntimeError(f"{' '.join(argv[3:5])} exited with {rc}: {log.read_text()[-3000:]}")
-    return time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.perf_counter() - started, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def layout_plan(args, purpose: str, gpus: int, per: int, port: int, capture_dir: Path) -> dict:
     extra = ["--replicas-per-device", str(per)] if gpus * per > 1 else []
     if purpose == "serve":
-        extra = ["--max-batch-size", str(max(1, args.batch // per))] + extra
+        extra = ["--max-batch-size", str(max(1, args.batch // per)), *args.serve_arg] + extra
     return server_plan("reference", sys.executable, str(args.model_path), "127.0.0.1", port, str(capture_dir),
                        device=args.device, extra_args=extra, purpose=purpose, dp_size=gpus * per)
 
@@ -113,13 +131,15 @@ def regenerate(args, name: str, gpus: int, per: int) -> dict:
     port = free_port()
     server = Server(layout_plan(args, "serve", gpus, per, port, args.work / "capture"), port,
                     args.work / f"serve-{name}.log")
+    cpu_at_start = server.cpu_seconds()
     try:
-        seconds = timed([sys.executable, "-m", "eagle3_pipeline.cli", "regenerate", "--dataset", str(args.dataset),
+        seconds, cpu = timed([sys.executable, "-m", "eagle3_pipeline.cli", "regenerate", "--dataset", str(args.dataset),
                          "--output-dir", str(out), "--server-url", server.url, "--num-samples",
                          str(args.conversations), "--concurrency", str(args.regeneration_concurrency * gpus),
                          "--max-new-tokens", str(args.max_new_tokens), "--max-length", str(args.max_length),
                          "--model-path", str(args.model_path), "--quiet"], args.work / f"regenerate-{name}.log")
         info = EngineClient(server.url, timeout_s=60, retries=0).call("GET", "/server_info")
+        server_cpu = server.cpu_seconds() - cpu_at_start
     finally:
         server.stop()
     # Each process's model thread: the rows a decode step carried, and the share of its time spent decoding.
@@ -127,8 +147,11 @@ def regenerate(args, name: str, gpus: int, per: int) -> dict:
     summary = json.loads((out / "regeneration.json").read_text())
     tokens = int(summary["generated_tokens"])
     return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+            "client_cpu": cpu / seconds, "server_cpu": server_cpu / seconds,
             "conversations": summary["num_conversations"], "output": out, "workers": workers,
             "mean_decode_batch": sum(w["mean_decode_batch"] for w in workers) / len(workers),
+            "prefills": sum(w["prefills"] for w in workers),
+            "mean_prefill_batch": sum(w["mean_prefill_batch"] for w in workers) / len(workers),
             "decode_share": sum(w["decode_s"] / w["wall_s"] for w in workers) / len(workers),
             "prefill_share": sum(w["prefill_s"] / w["wall_s"] for w in workers) / len(workers)}
 
@@ -142,7 +165,7 @@ def extract(args, name: str, gpus: int, per: int, dataset: Path) -> dict:
     port = free_port()
     server = Server(layout_plan(args, "capture", gpus, per, port, capture), port, args.work / f"capture-{name}.log")
     try:
-        seconds = timed([sys.executable, "-m", "eagle3_pipeline.cli", "extract", "--dataset", str(dataset),
+        seconds, cpu = timed([sys.executable, "-m", "eagle3_pipeline.cli", "extract", "--dataset", str(dataset),
                          "--output-dir", str(out), "--server-url", server.url, "--capture-dir", str(capture),
                          "--max-length", str(args.max_length), "--concurrency",
                          str(args.extraction_concurrency * gpus), "--model-path", str(args.model_path),
@@ -153,7 +176,7 @@ def extract(args, name: str, gpus: int, per: int, dataset: Path) -> dict:
     manifest = json.loads((out / "data_config.json").read_text())
     shutil.rmtree(out, ignore_errors=True)
     tokens = int(manifest["num_tokens"])
-    return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+    return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "client_cpu": cpu / seconds,
             "samples": manifest["num_samples"]}
 
 
@@ -167,6 +190,16 @@ def same_answers(first: Path, other: Path) -> tuple[int, int]:
 
     mine, theirs = read(first), read(other)
     return sum(1 for key, value in mine.items() if theirs.get(key) == value), len(mine)
+
+
+def describe_regeneration(name: str, regen: dict) -> str:
+    """One line: the layout's regeneration and where its processes' time went."""
+    return (f"{name} regenerate: {regen['tokens']:,} tokens in {regen['seconds']:.1f} s, "
+            f"{regen['tokens_per_s']:,.0f} tokens/s; a decode step carried {regen['mean_decode_batch']:.0f} requests "
+            f"on average, a prefill {regen['mean_prefill_batch']:.1f} ({regen['prefills']:,} prefills); each process "
+            f"decoding {regen['decode_share']:.0%} and prefilling {regen['prefill_share']:.0%} of the time; CPU "
+            f"seconds a second: the client {regen['client_cpu']:.2f}, the server {regen['server_cpu']:.2f}; "
+            f"{regen['same_as_first']} of {regen['compared']} conversations as the first layout")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=512, help="the serving server's batch per GPU")
+    parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                        help="one more argument of the serving server (repeat it: --serve-arg=--admit-wait-ms "
+                        "--serve-arg=100)")
     parser.add_argument("--regeneration-concurrency", type=int, default=512, help="conversations in flight per GPU")
     parser.add_argument("--extraction-concurrency", type=int, default=32, help="samples in flight per GPU")
     parser.add_argument("--capture-root", default="/dev/shm" if Path("/dev/shm").is_dir() else "/tmp")
@@ -206,16 +242,12 @@ def main(argv: list[str] | None = None) -> int:
         output = row["regenerate"].pop("output")
         first = first or output
         row["regenerate"]["same_as_first"], row["regenerate"]["compared"] = same_answers(first, output)
-        say(f"{name} regenerate: {row['regenerate']['tokens']:,} tokens in {row['regenerate']['seconds']:.1f} s, "
-            f"{row['regenerate']['tokens_per_s']:,.0f} tokens/s; a decode step carried "
-            f"{row['regenerate']['mean_decode_batch']:.0f} requests on average, each process decoding "
-            f"{row['regenerate']['decode_share']:.0%} and prefilling {row['regenerate']['prefill_share']:.0%} of "
-            f"the time; {row['regenerate']['same_as_first']} of "
-            f"{row['regenerate']['compared']} conversations as the first layout")
+        say(describe_regeneration(name, row["regenerate"]))
         if not args.skip_extract:
             row["extract"] = extract(args, name, gpus, per, first / "regenerated.jsonl")
-            say(f"{name} extract: {row['extract']['tokens']:,} tokens in {row['extract']['seconds']:.1f} s, "
-                f"{row['extract']['tokens_per_s']:,.0f} tokens/s")
+            ext = row["extract"]
+            say(f"{name} extract: {ext['tokens']:,} tokens in {ext['seconds']:.1f} s, {ext['tokens_per_s']:,.0f} "
+                f"tokens/s; the client used {ext['client_cpu']:.2f} CPU s a second")
         rows.append(row)
     base = rows[0]
     print(f"\n| layout | processes | regenerate tokens/s | x {base['layout']} | mean decode batch | decoding | "

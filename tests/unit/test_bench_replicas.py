@@ -38,6 +38,10 @@ def test_one_process_against_two_replicas_side_by_side(tiny_model_dir, tmp_path)
         assert row["regenerate"]["conversations"] == 12 and row["regenerate"]["tokens"] > 0
         assert row["regenerate"]["compared"] == 12
         assert row["regenerate"]["mean_decode_batch"] >= 1 and 0 < row["regenerate"]["decode_share"] < 1
+        # Every request of the 12 conversations' turns was prefilled once: at least one per conversation.
+        regen = row["regenerate"]
+        assert regen["prefills"] >= 1 and regen["mean_prefill_batch"] * regen["prefills"] >= 12 - 1e-6, regen
+        assert regen["client_cpu"] > 0 and regen["server_cpu"] > 0, regen
         assert len(row["regenerate"]["workers"]) == row["gpus"] * row["replicas_per_gpu"]
         # Every regenerated conversation extracted: the same stored tokens whichever server answered.
         assert row["extract"]["samples"] == 12 and row["extract"]["tokens"] == rows[0]["extract"]["tokens"]

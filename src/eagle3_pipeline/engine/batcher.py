@@ -48,8 +48,9 @@ LOG = logging.getLogger("eagle3_pipeline.engine")
 
 CAPTURE_ENGINE = "reference"
 CAPTURE_WRITERS = 4
-# The longest a request waits behind a running batch before it is prefilled into it.
-ADMIT_WAIT_S = 0.02
+# The longest a request waits behind a running batch before it is prefilled into it (--admit-wait-ms).
+ADMIT_WAIT_MS = 500.0
+PREFILL_EMA = 0.2  # the weight of the latest prefill in the running estimate of a prefill's time
 
 
 class ServiceUnavailable(RuntimeError):
@@ -792,18 +793,22 @@ class ModelRunner:
 class BatchWorker:
     """The single thread that owns the model: queue in, batches of up to ``max_batch_size`` run."""
 
-    def __init__(self, runner: ModelRunner, max_batch_size: int = 8, batch_wait_ms: float = 5.0):
+    def __init__(self, runner: ModelRunner, max_batch_size: int = 8, batch_wait_ms: float = 5.0,
+                 admit_wait_ms: float = ADMIT_WAIT_MS):
         self.runner = runner
         self.max_batch_size = max(1, int(max_batch_size))
         self.batch_wait_s = max(0.0, float(batch_wait_ms)) / 1000.0
+        self.admit_wait_s = max(0.0, float(admit_wait_ms)) / 1000.0
         self._queue: queue.Queue[GenerateJob] = queue.Queue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="model-worker", daemon=True)
         self._last_batch_size = 0
         self.batches = 0  # prefills run
+        self.prefill_rows = 0  # requests those prefills started
         self.requests = 0  # requests answered
         self.admitted = 0  # requests that joined a batch already decoding
         self._queued_since: float | None = None  # when a job first queued behind a running batch
+        self._prefill_estimate_s = 0.0  # recent prefills' time (moving average): what one costs the decoding rows
         # Where the model thread's time goes (``stats``): decode steps and the rows they carried, seconds
         # decoding, prefilling and waiting with nothing to run.
         self.decode_steps = 0
@@ -825,6 +830,8 @@ class BatchWorker:
         wall = max(time.monotonic() - self._started_at, 1e-9)
         return {"decode_steps": self.decode_steps,
                 "mean_decode_batch": round(self.decode_rows / self.decode_steps, 1) if self.decode_steps else 0.0,
+                "prefills": self.batches,
+                "mean_prefill_batch": round(self.prefill_rows / self.batches, 1) if self.batches else 0.0,
                 "decode_s": round(self.decode_s, 1), "prefill_s": round(self.prefill_s, 1),
                 "idle_s": round(self.idle_s, 1), "wall_s": round(wall, 1)}
 
@@ -832,6 +839,7 @@ class BatchWorker:
         """``stats`` as a sentence for the log."""
         stats = self.stats()
         return (f"{stats['decode_steps']} decode step(s) of {stats['mean_decode_batch']} request(s) on average, "
+                f"{stats['prefills']} prefill(s) of {stats['mean_prefill_batch']}, "
                 f"{stats['decode_s']} s decoding, {stats['prefill_s']} s prefilling, {stats['idle_s']} s idle of "
                 f"{stats['wall_s']} s")
 
@@ -896,8 +904,11 @@ class BatchWorker:
                 job.future.set_exception(exc)
             return None
         finally:
-            self.prefill_s += time.monotonic() - started
+            took = time.monotonic() - started
+            self.prefill_s += took
+            self._prefill_estimate_s += PREFILL_EMA * (took - self._prefill_estimate_s)
         self.batches += 1
+        self.prefill_rows += len(jobs)
         self._finish(finished)
         LOG.debug("prefill of %d request(s), %d prompt tokens, in %.1f ms", len(jobs),
                   sum(len(job.input_ids) for job in jobs), 1000 * (time.monotonic() - started))
@@ -919,9 +930,13 @@ class BatchWorker:
         return running
 
     def _admit_now(self, decoding: int) -> bool:
-        """Whether to prefill what queued since the last admission, now. A prefill interrupts every
-        row's decode, so with a large batch running it waits until a sixteenth of the batch (or all
-        the free room) is queued, or until the first of them has waited ``ADMIT_WAIT_S``."""
+        """Whether to prefill what queued since the last admission, now. A prefill pauses every decoding
+        row for its forward: ``decoding`` rows times a prefill's time (the recent ones' average) of decode
+        lost. Waiting costs too: the queued requests (as many as there is room for) decode nothing for as
+        long as they wait. So the queue is admitted once its waiting has cost as much as the pause will,
+        once it would fill the batch, or once its first request has waited ``admit_wait_ms``. A lone
+        request in an idle batch goes at once; behind a large batch, requests gather into fewer, larger
+        prefills (one a decode step would halve a small model's decode rate)."""
         queued = self._queue.qsize()
         room = self.max_batch_size - decoding
         if not queued or room <= 0:
@@ -930,8 +945,9 @@ class BatchWorker:
         now = time.monotonic()
         if self._queued_since is None:
             self._queued_since = now
-        enough = min(room, max(1, self.max_batch_size // 16))
-        return queued >= enough or now - self._queued_since >= ADMIT_WAIT_S
+        waited = now - self._queued_since
+        return (queued >= room or waited >= self.admit_wait_s
+                or min(queued, room) * waited >= decoding * self._prefill_estimate_s)
 
     def _loop(self) -> None:
         running: list[DecodeBatch] = []

@@ -97,7 +97,7 @@ from eagle3_pipeline.atomic import atomic_write_text
 from eagle3_pipeline.capture.layers import AUX_LAYER_CONVENTION
 from eagle3_pipeline.cli_args import options_argv, path_str, positive_int
 from eagle3_pipeline.engine.api import ModelLimits, RequestError, build_generate_response, parse_generate_request
-from eagle3_pipeline.engine.batcher import LOG, GenerateJob, SamplingConfig, ServiceUnavailable
+from eagle3_pipeline.engine.batcher import ADMIT_WAIT_MS, LOG, GenerateJob, SamplingConfig, ServiceUnavailable
 
 MAX_BODY_BYTES = 64 << 20
 HEALTH_CHECK_TIMEOUT_S = 20.0
@@ -266,6 +266,7 @@ class ReferenceEngine(EndpointState):
             "max_batch_size": self.worker.max_batch_size,
             "continuous_batching": True,
             "batch_wait_ms": self.settings.get("batch_wait_ms"),
+            "admit_wait_ms": self.settings.get("admit_wait_ms"),
             "api_key_required": self.api_key is not None,
             "requests_answered": self.worker.requests,
             "worker": self.worker.stats(),
@@ -414,6 +415,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         "up to this size); the serving mode of the sglang_server role sets 64")
     parser.add_argument("--batch-wait-ms", type=float, default=5.0,
                         help="how long the worker waits for more requests to join a batch")
+    parser.add_argument("--admit-wait-ms", type=float, default=ADMIT_WAIT_MS,
+                        help="the longest a request that arrives while a batch decodes waits before it is prefilled "
+                        "into it; sooner when its queue would fill the batch, or when the queue's waiting has cost "
+                        "as much decode as the prefill will pause (a prefill pauses every decoding row)")
     parser.add_argument("--decode", choices=["slots", "transformers"], default="slots",
                         help="slots: requests that need no capture and no logprobs decode over a KV cache of fixed "
                         "slots (CUDA graphs, flash attention), when the model passes the start-up check against its "
@@ -518,8 +523,9 @@ def run(args: argparse.Namespace) -> int:
         from eagle3_pipeline.capture.writer import ensure_capture_dir  # noqa: PLC0415
 
         ensure_capture_dir(runner.capture_dir)
-    worker = BatchWorker(runner, args.max_batch_size, args.batch_wait_ms).start()
-    engine = ReferenceEngine(runner, worker, args.host, args.port, api_key, {"batch_wait_ms": args.batch_wait_ms})
+    worker = BatchWorker(runner, args.max_batch_size, args.batch_wait_ms, args.admit_wait_ms).start()
+    engine = ReferenceEngine(runner, worker, args.host, args.port, api_key,
+                             {"batch_wait_ms": args.batch_wait_ms, "admit_wait_ms": args.admit_wait_ms})
     try:
         server = make_server(engine, args.host, args.port)
     except OSError as exc:
