@@ -183,7 +183,10 @@ def extract(args, name: str, gpus: int, per: int, dataset: Path) -> dict:
 def same_answers(first: Path, other: Path) -> tuple[int, int]:
     def read(path: Path) -> dict:
         rows = {}
-        for line in (path / "regenerated.jsonl").read_text().splitlines():
+        # Lines split at b"\n" only: str.splitlines would also split at U+2028 inside an answer's text.
+        for line in (path / "regenerated.jsonl").read_bytes().split(b"\n"):
+            if not line.strip():
+                continue
             record = json.loads(line)
             rows[record.get("id")] = json.dumps(record, sort_keys=True)
         return rows

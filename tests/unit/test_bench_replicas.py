@@ -22,6 +22,9 @@ def tiny_model_dir():
 
 def test_one_process_against_two_replicas_side_by_side(tiny_model_dir, tmp_path):
     train, _ = demo_conversations(12, 0.0, 0)
+    # A line separator inside a question: the regenerated lines keep it as it is, and the benchmark's
+    # comparison of answers must still read one record a line (str.splitlines would split it).
+    train[0]["conversations"][0]["value"] += " \u2028 Answer briefly."
     dataset = tmp_path / "demo.jsonl"
     write_jsonl(dataset, train)
     result = tmp_path / "result.json"
