@@ -53,6 +53,40 @@ def random_model(shape: str, path: Path) -> Path:
     return target
 
 
+def time_prefills(decoder, counts: list[int], vocab_size: int, low: int, high: int, rounds: int, device: str) -> dict:
+    """The slot cache's prefill of each count of prompts, alone: median ms in all, and ms until the host had
+    issued it (the call's return, before the device is waited for)."""
+    import torch  # noqa: PLC0415
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    out = {}
+    for count in counts:
+        issued, whole = [], []
+        batch = prompts(count, vocab_size, low, high)
+        for round_ in range(rounds + 1):
+            slots = decoder.take(count)
+            sync()
+            started = time.perf_counter()
+            with torch.inference_mode():
+                decoder.prefill(slots, batch)
+            returned = time.perf_counter()
+            sync()
+            ended = time.perf_counter()
+            decoder.release(slots)
+            if round_:  # the first round warms up
+                issued.append(1000 * (returned - started))
+                whole.append(1000 * (ended - started))
+        tokens = sum(len(p) for p in batch)
+        out[str(count)] = {"tokens": tokens, "ms": round(statistics.median(whole), 2),
+                           "host_ms": round(statistics.median(issued), 2)}
+        print(f"prefill of {count:>3} prompts ({tokens:,} tokens): {out[str(count)]['ms']:.1f} ms, issued by the host "
+              f"in {out[str(count)]['host_ms']:.1f} ms", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print one line per batch, workload and decode path, and the result as JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -70,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch CPU threads (0: torch's default); on a busy 2-core machine 1 is steadier")
+    parser.add_argument("--prefill", default="",
+                        help="N,N,...: also time the slot cache's prefill alone of N prompts (what admitting N "
+                        "requests into a running batch pauses it for): its whole time, and the host's time to issue "
+                        "it (near the whole: bound by the host, not the GPU)")
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args(argv)
 
@@ -84,11 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         args.model_path = random_model(args.random_shape, ROOT / ".cache" / "models")
     low, high = (int(v) for v in args.prompt_tokens.split(","))
     sizes = [int(b) for b in args.batches.split(",")]
+    prefills = [int(n) for n in args.prefill.split(",") if n.strip()]
     runner = ModelRunner(str(args.model_path), device=args.device, dtype=args.dtype)
     paths = ["slots", "transformers"] if args.decode == "both" else [args.decode]
     decoder = None
     if "slots" in paths:
-        if not runner.enable_slots(max(sizes), args.slot_tokens, args.cuda_graphs):
+        if not runner.enable_slots(max(sizes + prefills), args.slot_tokens, args.cuda_graphs):
             raise SystemExit(f"slot decoding is off for this model: {runner.decode_path}")
         decoder = runner.slot_decoder
     result = {"model_path": str(args.model_path), "device": args.device, "dtype": args.dtype,
@@ -124,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                 ratio = rates["slots"] / rates["transformers"]
                 result["batches"][f"{batch}-{workload}-ratio"] = round(ratio, 2)
                 print(f"batch {batch:>3} {workload:>5}: slots / transformers = {ratio:.2f}x", flush=True)
+    if prefills and decoder is not None:
+        result["prefill"] = time_prefills(decoder, prefills, runner.vocab_size, low, high, args.rounds, args.device)
     print(json.dumps(result, sort_keys=True))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
