@@ -125,6 +125,12 @@ def layout_plan(args, purpose: str, gpus: int, per: int, port: int, capture_dir:
                        device=args.device, extra_args=extra, purpose=purpose, dp_size=gpus * per)
 
 
+def weighted_mean(workers: list[dict], mean: str, count: str) -> float:
+    """The processes' means together: each weighted by how many it averaged (a replica of few steps counts less)."""
+    total = sum(w[count] for w in workers)
+    return sum(w[mean] * w[count] for w in workers) / total if total else 0.0
+
+
 def regenerate(args, name: str, gpus: int, per: int) -> dict:
     out = args.work / f"regenerated-{name}"
     shutil.rmtree(out, ignore_errors=True)
@@ -133,11 +139,11 @@ def regenerate(args, name: str, gpus: int, per: int) -> dict:
                     args.work / f"serve-{name}.log")
     cpu_at_start = server.cpu_seconds()
     try:
-        seconds, cpu = timed([sys.executable, "-m", "eagle3_pipeline.cli", "regenerate", "--dataset", str(args.dataset),
-                         "--output-dir", str(out), "--server-url", server.url, "--num-samples",
-                         str(args.conversations), "--concurrency", str(args.regeneration_concurrency * gpus),
-                         "--max-new-tokens", str(args.max_new_tokens), "--max-length", str(args.max_length),
-                         "--model-path", str(args.model_path), "--quiet"], args.work / f"regenerate-{name}.log")
+        seconds, cpu = timed([sys.executable, "-m", "eagle3_pipeline.cli", "regenerate", "--dataset",
+                              str(args.dataset), "--output-dir", str(out), "--server-url", server.url, "--num-samples",
+                              str(args.conversations), "--concurrency", str(args.regeneration_concurrency * gpus),
+                              "--max-new-tokens", str(args.max_new_tokens), "--max-length", str(args.max_length),
+                              "--model-path", str(args.model_path), "--quiet"], args.work / f"regenerate-{name}.log")
         info = EngineClient(server.url, timeout_s=60, retries=0).call("GET", "/server_info")
         server_cpu = server.cpu_seconds() - cpu_at_start
     finally:
@@ -149,9 +155,9 @@ def regenerate(args, name: str, gpus: int, per: int) -> dict:
     return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
             "client_cpu": cpu / seconds, "server_cpu": server_cpu / seconds,
             "conversations": summary["num_conversations"], "output": out, "workers": workers,
-            "mean_decode_batch": sum(w["mean_decode_batch"] for w in workers) / len(workers),
+            "mean_decode_batch": weighted_mean(workers, "mean_decode_batch", "decode_steps"),
             "prefills": sum(w["prefills"] for w in workers),
-            "mean_prefill_batch": sum(w["mean_prefill_batch"] for w in workers) / len(workers),
+            "mean_prefill_batch": weighted_mean(workers, "mean_prefill_batch", "prefills"),
             "decode_share": sum(w["decode_s"] / w["wall_s"] for w in workers) / len(workers),
             "prefill_share": sum(w["prefill_s"] / w["wall_s"] for w in workers) / len(workers)}
 
@@ -166,10 +172,10 @@ def extract(args, name: str, gpus: int, per: int, dataset: Path) -> dict:
     server = Server(layout_plan(args, "capture", gpus, per, port, capture), port, args.work / f"capture-{name}.log")
     try:
         seconds, cpu = timed([sys.executable, "-m", "eagle3_pipeline.cli", "extract", "--dataset", str(dataset),
-                         "--output-dir", str(out), "--server-url", server.url, "--capture-dir", str(capture),
-                         "--max-length", str(args.max_length), "--concurrency",
-                         str(args.extraction_concurrency * gpus), "--model-path", str(args.model_path),
-                         "--max-skip-ratio", "0.2", "--quiet"], args.work / f"extract-{name}.log")
+                              "--output-dir", str(out), "--server-url", server.url, "--capture-dir", str(capture),
+                              "--max-length", str(args.max_length), "--concurrency",
+                              str(args.extraction_concurrency * gpus), "--model-path", str(args.model_path),
+                              "--max-skip-ratio", "0.2", "--quiet"], args.work / f"extract-{name}.log")
     finally:
         server.stop()
         shutil.rmtree(capture, ignore_errors=True)
