@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", choices=["both", "slots", "transformers"], default="both")
     parser.add_argument("--slot-tokens", type=int, default=4096)
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
+    parser.add_argument("--prefill-graphs", choices=["on", "off", "both"], default="on",
+                        help="--prefill: the slot cache's prefills replayed as CUDA graphs, eager, or both side by "
+                        "side (the same prompts)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch CPU threads (0: torch's default); on a busy 2-core machine 1 is steadier")
     parser.add_argument("--prefill", default="",
@@ -127,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     paths = ["slots", "transformers"] if args.decode == "both" else [args.decode]
     decoder = None
     if "slots" in paths:
-        if not runner.enable_slots(max(sizes + prefills), args.slot_tokens, args.cuda_graphs):
+        if not runner.enable_slots(max(sizes + prefills), args.slot_tokens, args.cuda_graphs,
+                                   args.prefill_graphs != "off"):
             raise SystemExit(f"slot decoding is off for this model: {runner.decode_path}")
         decoder = runner.slot_decoder
     result = {"model_path": str(args.model_path), "device": args.device, "dtype": args.dtype,
@@ -164,7 +168,13 @@ def main(argv: list[str] | None = None) -> int:
                 result["batches"][f"{batch}-{workload}-ratio"] = round(ratio, 2)
                 print(f"batch {batch:>3} {workload:>5}: slots / transformers = {ratio:.2f}x", flush=True)
     if prefills and decoder is not None:
-        result["prefill"] = time_prefills(decoder, prefills, runner.vocab_size, low, high, args.rounds, args.device)
+        # "prefill": as the engine runs it (graphs where they are on); with "both", also "prefill_eager" beside it.
+        modes = {"on": ["prefill"], "off": ["prefill"], "both": ["prefill_eager", "prefill"]}[args.prefill_graphs]
+        graph_tokens = decoder.prefill_graph_tokens
+        for mode in modes:
+            decoder.prefill_graph_tokens = 0 if mode == "prefill_eager" else graph_tokens
+            print(f"{mode}: prefills of up to {decoder.prefill_graph_tokens} tokens replay CUDA graphs", flush=True)
+            result[mode] = time_prefills(decoder, prefills, runner.vocab_size, low, high, args.rounds, args.device)
     print(json.dumps(result, sort_keys=True))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")

@@ -192,7 +192,36 @@ def run_ours(shape: Shape, batches, args, device: torch.device, recompute: int, 
     label = f"ours ({runner.attention}, recompute {recompute}/{TTT}{', compiled' if runner.compile else ''})"
     result = measure(label, step, batches, args.warmup, args.steps, device, shape.flops_per_token(TTT))
     result["loss_first_last"] = [float(losses[0]), float(losses[-1])]
+    if args.profile:
+        result["profile"] = profile_steps(step, batches, args.profile, device)
     return result
+
+
+def profile_steps(step, batches, steps: int, device: torch.device, rows: int = 25) -> dict:
+    """``steps`` more steps under torch.profiler: where a step's time goes. On CUDA: the kernels' time a step
+    against its wall time (a step whose kernels take much less than its wall time waits on the host) and the
+    kernels launched a step; the operators with the most device (CUDA) or CPU time, as a table."""
+    from torch.autograd import DeviceType  # noqa: PLC0415
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        started = time.perf_counter()
+        for index in range(steps):
+            step(batches[index % len(batches)])
+        synchronize(device)
+        wall = time.perf_counter() - started
+    kernels = [event for event in prof.events() if event.device_type == DeviceType.CUDA]
+    kernel_ms = sum(event.time_range.elapsed_us() for event in kernels) / 1000
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=rows)
+    summary = {"steps": steps, "wall_ms_per_step": 1000 * wall / steps, "kernel_ms_per_step": kernel_ms / steps,
+               "kernels_per_step": len(kernels) / steps}
+    print(f"profile, {steps} steps: {summary['wall_ms_per_step']:.1f} ms a step (under the profiler), kernels "
+          f"{summary['kernel_ms_per_step']:.1f} ms a step ({summary['kernels_per_step']:.0f} launched a step)\n{table}",
+          flush=True)
+    return summary
 
 
 def import_specforge(path: str):
@@ -314,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="ours: StepRunner's attention, run once per value (auto: fused on CUDA)")
     parser.add_argument("--specforge-path", default="/tmp/sf", help="where specforge 0.2.0 is installed")
     parser.add_argument("--tiny", action="store_true", help="ours only, a tiny shape on the CPU")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="ours: then STEPS more steps under torch.profiler (kernel time against wall time a step, "
+                             "the operators that take the most)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
 

@@ -126,3 +126,49 @@ def test_speculative_decoding_over_slots_gives_the_targets_greedy_decode(smollm2
     assert not faults, faults
     print(f"{dtype}: {sum(m is not None for m in mismatches)} of 32 outputs part from the full-forward decode, "
           "all at near-ties")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_prefills_replayed_as_cuda_graphs_match_full_forwards_and_decode_on(smollm2_shaped, dtype):
+    """Prefills of a few prompts replay CUDA graphs (padded to a power of two of tokens and rows): each row's
+    logits, and the teacher-forced decode that reads the keys the replay wrote, match full forwards; graphs are
+    captured once per shape and reused; a prefill beyond the graphs' tokens stays eager."""
+    runner = ModelRunner(str(smollm2_shaped), device="cuda", dtype=dtype)
+    assert runner.enable_slots(64, 1024, graphs=True), runner.decode_path
+    decoder = runner.slot_decoder
+    assert decoder.prefill_graph_tokens >= 4096 and "prefills up to" in runner.decode_path, runner.decode_path
+    tolerance = CACHED_FORWARD_TOLERANCE[dtype]
+    rng = random.Random(3)
+    worst = 0.0
+    for count, low, high in [(1, 3, 40), (3, 100, 300), (17, 50, 400), (2, 900, 1000), (5, 100, 300)]:
+        sequences = [[rng.randrange(49152) for _ in range(rng.randrange(low, high) + 4)] for _ in range(count)]
+        prompts = [seq[:-4] for seq in sequences]
+        shape = decoder._prefill_shape(prompts)
+        assert shape is not None, (count, sum(map(len, prompts)))
+        slots = decoder.take(count)
+        try:
+            with torch.inference_mode():
+                got = [decoder.prefill(slots, prompts)[0]]
+                for step in range(3):
+                    got.append(decoder.decode(slots, [seq[len(p) + step] for seq, p in zip(sequences, prompts)],
+                                              [len(p) + step for p in prompts]))
+        finally:
+            decoder.release(slots)
+        assert shape in decoder._prefill_graphs
+        for b, (seq, prompt) in enumerate(zip(sequences, prompts)):
+            want = full_logits(runner, seq)
+            for step in range(4):
+                error = relative_error(got[step][b], want[len(prompt) - 1 + step])
+                worst = max(worst, error)
+                assert error <= tolerance, (count, b, len(prompt), step, error)
+    shapes = len(decoder._prefill_graphs)
+    slots = decoder.take(len(prompts))
+    with torch.inference_mode():
+        again = decoder.prefill(slots, prompts)[0]
+    decoder.release(slots)
+    assert len(decoder._prefill_graphs) == shapes  # the same shape again: replayed, not captured again
+    assert torch.equal(again, got[0])  # and the same kernels on the same inputs
+    big = [[rng.randrange(49152) for _ in range(1000)] for _ in range(decoder.prefill_graph_tokens // 1000 + 1)]
+    assert decoder._prefill_shape(big) is None  # eager
+    print(f"{dtype}: prefill graphs up to {decoder.prefill_graph_tokens} tokens, {shapes} shapes; worst relative "
+          f"logit difference {worst:.3g} (allowed {tolerance})")

@@ -3,6 +3,7 @@ AdamW switch, and ``bench/training.py --tiny`` (so that the benchmark cannot rot
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -103,7 +104,12 @@ def test_fused_adamw_switch_leaves_cpu_optimizers_alone():
 
 def test_the_training_benchmark_runs_tiny_on_the_cpu():
     result = subprocess.run([sys.executable, str(ROOT / "bench" / "training.py"), "--tiny", "--steps", "2",
-                             "--warmup", "1"], capture_output=True, text=True, timeout=300, check=False)
+                             "--warmup", "1", "--profile", "1"], capture_output=True, text=True, timeout=300,
+                            check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "ours (sdpa" in result.stdout and "ours (fused" in result.stdout
     assert "tokens/s" in result.stdout and "MFU" in result.stdout
+    # The profile: a step's wall time and the operators' table (no kernels on the CPU).
+    profiled = [r["profile"] for r in json.loads(result.stdout[result.stdout.index("\n[") + 1:])]
+    assert len(profiled) == 2 and all(p["wall_ms_per_step"] > 0 and p["kernels_per_step"] == 0 for p in profiled)
+    assert "aten::mm" in result.stdout and "Self CPU" in result.stdout

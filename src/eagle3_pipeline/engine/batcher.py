@@ -375,10 +375,11 @@ class ModelRunner:
         return ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
 
     # -- the slot cache ------------------------------------------------------------------------
-    def enable_slots(self, slots: int, slot_tokens: int, graphs: bool = True) -> bool:
+    def enable_slots(self, slots: int, slot_tokens: int, graphs: bool = True, prefill_graphs: bool = True) -> bool:
         """Decode the requests that need no capture and no logprobs over a slot cache of ``slots`` x
         ``slot_tokens`` (``engine/slots.py``), if this model decodes there as its full forwards say;
-        otherwise keep the transformers path for everything. Whether it is on, and why not, is in
+        otherwise keep the transformers path for everything. ``graphs``: replay decode steps as CUDA graphs,
+        and small prefills too unless ``prefill_graphs`` is off. Whether it is on, and why not, is in
         ``decode_path``."""
         from eagle3_pipeline.engine import slots as slot_cache  # noqa: PLC0415
 
@@ -391,7 +392,7 @@ class ModelRunner:
         # With CUDA graphs first; a failure there (a kernel that cannot be captured) leaves them off.
         for replay in ([True, False] if graphs else [False]) if reason is None else []:
             try:
-                decoder = slot_cache.SlotDecoder(self.model, slots, slot_tokens, replay)
+                decoder = slot_cache.SlotDecoder(self.model, slots, slot_tokens, replay, prefill_graphs)
                 with self.torch.inference_mode():
                     reason = self._compare_slot_decode(decoder)
             except (RuntimeError, ValueError) as exc:  # a kernel this device or build lacks
@@ -414,8 +415,9 @@ class ModelRunner:
 
     def _compare_slot_decode(self, decoder) -> str | None:
         """Why slot decoding does not reproduce this model's full forwards (None when it does): two
-        prompts of different lengths in slots apart (their aux states too), each then decoding three
-        tokens together, then reading four more at once over a rejected one (the evaluation's verify)."""
+        prompts of different lengths in slots apart (their aux states too; and prefilled as a CUDA graph
+        replays it, padded, where prefills replay graphs), each then decoding three tokens together, then
+        reading four more at once over a rejected one (the evaluation's verify)."""
         torch = self.torch
         length = min(12, decoder.slot_tokens - 8)
         tokens = self._check_tokens(length + 7)
@@ -425,6 +427,9 @@ class ModelRunner:
         prompts = prompts[: len(slots)]
         tolerance = CACHED_FORWARD_TOLERANCE[self.dtype_name]
         try:
+            # Without aux layers first (a graph replays that prefill where graphs are on), then with them (eager):
+            # the second writes the same keys and values again.
+            replayed = decoder.prefill(slots, prompts)[0] if decoder.prefill_graph_tokens else None
             first, aux = decoder.prefill(slots, prompts, self.aux_layers)
             got = [first]
             for step in range(3):
@@ -443,6 +448,8 @@ class ModelRunner:
             pairs += [("aux states of the prompt", aux[start:start + len(prompt)], want_aux[: len(prompt)]),
                       ("logits of a 4-token read", more[b], want[len(prompt) + 2: len(prompt) + 6]),
                       ("aux states of a 4-token read", more_aux[b], want_aux[len(prompt) + 2: len(prompt) + 6])]
+            if replayed is not None:
+                pairs.append(("logits of a prefill replayed as a CUDA graph", replayed[b], want[len(prompt) - 1]))
             start += len(prompt)
             for what, ours, full in pairs:
                 error = self._relative_error(ours, full)

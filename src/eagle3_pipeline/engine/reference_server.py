@@ -431,6 +431,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         "fewer slots than --max-batch-size when they do not fit")
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                         help="replay no CUDA graphs in slot decoding")
+    parser.add_argument("--no-prefill-graphs", dest="prefill_graphs", action="store_false",
+                        help="prefill every prompt eagerly (by default a small model's prefills of up to a few "
+                        "thousand tokens replay CUDA graphs too, padded to a power of two)")
     parser.add_argument("--api-key-env", default=None, metavar="NAME",
                         help="require 'Authorization: Bearer <key>', the key read from this environment variable")
     parser.add_argument("--log-file", type=path_str, default=None, help="also write the log to this file")
@@ -516,7 +519,7 @@ def run(args: argparse.Namespace) -> int:
 
         slots, slot_tokens = plan_slots(runner.model, args.max_batch_size, args.slot_tokens, args.kv_cache_gib,
                                         args.replicas_per_device if args.replica else 1)
-        runner.enable_slots(slots, slot_tokens, args.cuda_graphs)
+        runner.enable_slots(slots, slot_tokens, args.cuda_graphs, args.prefill_graphs)
     else:
         runner.decode_path = "transformers (--decode transformers)"
     if runner.capture_dir is not None:

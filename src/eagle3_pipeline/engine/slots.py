@@ -13,7 +13,11 @@ first key as the row's key offset and the tokens written so far as its used leng
 fp16), or scaled dot-product attention row by row elsewhere.
 
 A decode step is one token per row; on CUDA the steps of each batch size (rounded up to a power of
-two) are replayed as CUDA graphs, so a step costs the GPU's time, not Python's.
+two) are replayed as CUDA graphs, so a step costs the GPU's time, not Python's. So are the prefills of a
+small model (a few prompts, a few thousand tokens: the requests admitted into a running batch), whose
+hundreds of kernels a layer the host would otherwise launch one by one while the GPU waits: the tokens
+are padded up to a power of two (``prefill_graph_tokens`` at most, chosen so that a padded prefill costs
+the GPU a few milliseconds), the rows too, the padding tokens in rows of their own over the scratch slot.
 
 The layer loop calls the model's own modules (embedding, norms, projections, MLP, rotary embedding);
 only the attention and the cache are this module's. Whether that reproduces the model is not assumed:
@@ -33,6 +37,13 @@ import torch.nn.functional as F
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Tokens per prefill forward: bounds the activations of a prefill of many long prompts.
 PREFILL_TOKENS = 32768
+# Prefills replayed as CUDA graphs: padded to a power of two of at least PREFILL_GRAPH_MIN_TOKENS tokens, and at
+# most the tokens whose forward costs PREFILL_GRAPH_FLOPS (2 x the layers' parameters a token; a few ms of an
+# H100's, about what the host spends launching an eager prefill's kernels) or PREFILL_GRAPH_MAX_TOKENS. A model
+# too large for PREFILL_GRAPH_MIN_TOKENS tokens within that budget prefills eagerly (its GPU time dominates).
+PREFILL_GRAPH_FLOPS = 4e12
+PREFILL_GRAPH_MIN_TOKENS = 256
+PREFILL_GRAPH_MAX_TOKENS = 16384
 
 
 def unsupported(model) -> str | None:  # noqa: PLR0911 - one return per reason
@@ -106,10 +117,23 @@ def _bucket(n: int, limit: int) -> int:
     return min(size, limit)
 
 
+def prefill_graph_tokens(layers, flops: float = PREFILL_GRAPH_FLOPS) -> int:
+    """The most tokens a prefill replayed as a CUDA graph takes for a model with these decoder ``layers``: the
+    largest power of two whose forward costs at most ``flops`` (2 x parameters a token), at most
+    ``PREFILL_GRAPH_MAX_TOKENS``; 0 when not even ``PREFILL_GRAPH_MIN_TOKENS`` fit."""
+    per_token = 2 * sum(p.numel() for layer in layers for p in layer.parameters())
+    size = PREFILL_GRAPH_MIN_TOKENS
+    if size * per_token > flops:
+        return 0
+    while size * 2 <= PREFILL_GRAPH_MAX_TOKENS and size * 2 * per_token <= flops:
+        size *= 2
+    return size
+
+
 class SlotDecoder:
     """A model's decode steps over a preallocated slot cache (see the module docstring)."""
 
-    def __init__(self, model, slots: int, slot_tokens: int, graphs: bool = True):
+    def __init__(self, model, slots: int, slot_tokens: int, graphs: bool = True, prefill_graphs: bool = True):
         reason = unsupported(model)
         if reason is not None:
             raise ValueError(reason)
@@ -139,6 +163,10 @@ class SlotDecoder:
         self._graphs: dict[int, tuple] = {}
         self._pool = None
         self._static: dict[str, torch.Tensor] | None = None
+        # Prefills of at most this many tokens (padded) replay CUDA graphs, keyed by (tokens, rows); 0: none.
+        self.prefill_graph_tokens = prefill_graph_tokens(self.layers) if self.graphs_on and prefill_graphs else 0
+        self._prefill_graphs: dict[tuple[int, int], tuple] = {}
+        self._prefill_static: dict[str, torch.Tensor] | None = None
 
     # -- slots -------------------------------------------------------------------------------
     @property
@@ -161,6 +189,8 @@ class SlotDecoder:
         """One line for the server's log and /server_info."""
         attention = "flash attention" if self.flash else "scaled dot-product attention"
         graphs = "CUDA graphs" if self.graphs_on else "no CUDA graphs"
+        if self.prefill_graph_tokens:
+            graphs += f" (decode; prefills up to {self.prefill_graph_tokens} tokens)"
         return f"slots: {self.slots} x {self.slot_tokens} tokens, {attention}, {graphs}"
 
     # -- the forward ----------------------------------------------------------------------------
@@ -256,8 +286,11 @@ class SlotDecoder:
         groups.append(group)
         logits, aux = [], []
         for group in groups:
-            last, captured = self._rows([slots[i] for i in group], [prompts[i] for i in group], [0] * len(group),
-                                        aux_layers)
+            rows = [prompts[i] for i in group]
+            if not aux_layers and self._prefill_shape(rows) is not None:
+                logits.append(self._prefill_replay([slots[i] for i in group], rows))
+                continue
+            last, captured = self._rows([slots[i] for i in group], rows, [0] * len(group), aux_layers)
             logits.append(last)
             if aux_layers:
                 aux.append(torch.cat([captured[layer] for layer in aux_layers], dim=-1))
@@ -310,6 +343,114 @@ class SlotDecoder:
         if self.graphs_on:
             return self._replay(slots, tokens, positions)
         return self._rows(slots, [[token] for token in tokens], positions)[0]
+
+    # -- prefills padded to a graph's shape --------------------------------------------------------------
+    def _prefill_shape(self, rows: list[list[int]], limit: int | None = None) -> tuple[int, int, int] | None:
+        """(tokens, rows, tokens a row at most) of the padded forward that prefills ``rows``, or None when
+        it is too large for a graph (``limit``: the most tokens, ``prefill_graph_tokens`` unless given)."""
+        limit = self.prefill_graph_tokens if limit is None else limit
+        count = sum(len(row) for row in rows)
+        if not limit or count > limit:
+            return None
+        tokens = max(_bucket(count, limit), min(PREFILL_GRAPH_MIN_TOKENS, limit))
+        longest = min(tokens, self.slot_tokens)  # a prompt fits its slot; a padding row fits the scratch slot
+        padding_rows = -(-(tokens - count) // longest)
+        return tokens, _bucket(len(rows) + padding_rows, 1 << 30), longest
+
+    def _prefill_layout(self, slots: list[int], rows: list[list[int]], shape: tuple[int, int, int]):
+        """Host tensors of one padded prefill forward of ``shape`` (``_prefill_shape``): row ``b`` writes
+        ``rows[b]`` at positions 0.. of slot ``slots[b]``; the padding tokens (id 0) go in rows of at most
+        ``longest`` tokens over the scratch slot, each at positions 0.. (so equal positions get equal keys), then
+        rows of no tokens. ``select``: each real row's last token (then 0)."""
+        tokens, count_rows, longest = shape
+        lengths = [len(row) for row in rows]
+        used = sum(lengths)
+        pad = tokens - used
+        pad_lengths = [min(longest, pad - start) for start in range(0, pad, longest)]
+        all_lengths = torch.tensor(lengths + pad_lengths + [0] * (count_rows - len(lengths) - len(pad_lengths)),
+                                   dtype=torch.long)
+        cu_q = torch.zeros(count_rows + 1, dtype=torch.long)
+        torch.cumsum(all_lengths, 0, out=cu_q[1:])
+        row_of = torch.repeat_interleave(torch.arange(count_rows), all_lengths)  # [tokens]
+        positions = torch.arange(tokens) - cu_q[:-1][row_of]
+        starts = torch.tensor(slots + [self.scratch] * (count_rows - len(slots)), dtype=torch.long) * self.slot_tokens
+        ids = torch.zeros(tokens, dtype=torch.long)
+        if used:
+            ids[:used] = torch.tensor([t for row in rows for t in row], dtype=torch.long)
+        key_start = torch.cat([starts, torch.tensor([(self.slots + 1) * self.slot_tokens])])
+        select = torch.zeros(count_rows, dtype=torch.long)
+        select[: len(rows)] = cu_q[1: len(rows) + 1] - 1
+        return {"tokens": ids, "positions": positions, "write": starts[row_of] + positions, "cu_q": cu_q,
+                "key_start": key_start, "used": all_lengths, "select": select}
+
+    def _padded_forward(self, slots: list[int], rows: list[list[int]], shape: tuple[int, int, int]):
+        """The padded prefill forward, eagerly (what a prefill graph replays; tests compare it with ``_rows``):
+        the logits [B, V] float32 of each row's last token."""
+        layout = self._prefill_layout(slots, rows, shape)
+        device = self.device
+        host = None if self.flash else (layout["cu_q"].tolist(), layout["key_start"].tolist(), layout["used"].tolist())
+        logits, _ = self.forward(
+            layout["tokens"].to(device), layout["positions"].to(device), layout["write"].to(device),
+            layout["cu_q"].to(device, torch.int32), shape[2], layout["key_start"].to(device, torch.int32),
+            layout["used"].to(device, torch.int32), select=layout["select"].to(device), host=host)
+        return logits[: len(rows)]
+
+    def _prefill_buffers(self) -> dict[str, torch.Tensor]:
+        """The prefill graphs' input buffers (each graph reads its first tokens and rows) and pinned staging."""
+        if self._prefill_static is None:
+            most = self.prefill_graph_tokens
+            rows = _bucket(self.slots + -(-most // min(most, self.slot_tokens)), 1 << 30) + 1
+            device = self.device
+            self._prefill_static = {
+                **{name: torch.zeros(most, dtype=torch.long, device=device)
+                   for name in ("tokens", "positions", "write")},
+                **{name: torch.zeros(rows, dtype=torch.int32, device=device) for name in ("cu_q", "key_start", "used")},
+                "select": torch.zeros(rows, dtype=torch.long, device=device),
+                "staging": torch.zeros((7, max(most, rows)), dtype=torch.long).pin_memory(),
+            }
+        return self._prefill_static
+
+    def _load_prefill(self, layout: dict[str, torch.Tensor]) -> None:
+        """Copy a layout into the prefill graphs' input buffers (through pinned memory)."""
+        static = self._prefill_buffers()
+        staging = static["staging"]
+        for index, name in enumerate(("tokens", "positions", "write", "cu_q", "key_start", "used", "select")):
+            size = layout[name].shape[0]
+            staging[index, :size] = layout[name]
+            static[name][:size].copy_(staging[index, :size], non_blocking=True)
+
+    def _prefill_graph(self, shape: tuple[int, int, int]):
+        """The captured padded prefill of ``shape`` (captured at its first use, over a layout of padding alone)."""
+        if shape in self._prefill_graphs:
+            return self._prefill_graphs[shape]
+        tokens, rows, longest = shape
+        static = self._prefill_buffers()
+        self._load_prefill(self._prefill_layout([], [], shape))
+        args = (static["tokens"][:tokens], static["positions"][:tokens], static["write"][:tokens],
+                static["cu_q"][: rows + 1], longest, static["key_start"][: rows + 1], static["used"][:rows])
+        select = static["select"][:rows]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.forward(*args, select=select)  # warm-up: kernels chosen and loaded outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            logits, _ = self.forward(*args, select=select)
+        self._prefill_graphs[shape] = (graph, logits)
+        return self._prefill_graphs[shape]
+
+    def _prefill_replay(self, slots: list[int], rows: list[list[int]]):
+        """Prefill ``rows`` into ``slots`` by replaying the graph of their padded shape: the logits [B, V]."""
+        shape = self._prefill_shape(rows)
+        graph, logits = self._prefill_graph(shape)
+        self._load_prefill(self._prefill_layout(slots, rows, shape))
+        graph.replay()
+        out = logits[: len(rows)].clone()  # the graph's output buffer is its next replay's too
+        torch.cuda.current_stream().synchronize()  # the staging buffer is the next prefill's
+        return out
 
     # -- CUDA graphs ----------------------------------------------------------------------------------
     def _static_inputs(self) -> dict[str, torch.Tensor]:
