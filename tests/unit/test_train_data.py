@@ -4,6 +4,7 @@ packed into token-budget batches, sharded over ranks, loaded, and resumed."""
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import replace
 
 import pytest
@@ -20,6 +21,7 @@ from eagle3_pipeline.train.data import (
     load_batch,
     open_dataset,
     pack,
+    prefetch,
     shard,
 )
 from eagle3_pipeline.train.kernels import positions_from_doc_ids
@@ -182,6 +184,31 @@ def test_resume_from_a_state_yields_the_remaining_batches(data):
     expected = shard(pack(train, BUDGET, 5, 0), 1, 2)
     assert [b.sample_ids for b in epoch0] == [[data.samples[i].id for i in ids] for ids in expected]
     assert all(b.num_tokens <= BUDGET for _, b in full)
+
+
+def test_batches_read_ahead_in_a_thread_come_in_order_and_a_failure_comes_where_it_happened(data):
+    want = list(batches(data, BUDGET, 5, 0, 1, epochs=2))
+    got = list(prefetch(batches(data, BUDGET, 5, 0, 1, epochs=2), depth=2))
+    assert [s for s, _ in got] == [s for s, _ in want]
+    assert all(torch.equal(a.aux_hidden, b.aux_hidden) and a.sample_ids == b.sample_ids
+               for (_, a), (_, b) in zip(got, want))
+
+    def failing():
+        yield from want[:3]
+        raise DataError("sample 7: its file is cut short")
+
+    seen = []
+    with pytest.raises(DataError, match="cut short"):
+        for state, _ in prefetch(failing(), depth=2):
+            seen.append(state)
+    assert seen == [s for s, _ in want[:3]]  # every batch read before the failure was trained on first
+
+
+def test_leaving_a_loop_over_prefetched_batches_stops_its_thread(data):
+    stream = prefetch(batches(data, BUDGET, 5, 0, 1), depth=1)  # no epoch limit: it would read forever
+    next(stream)
+    stream.close()
+    assert not [t for t in threading.enumerate() if t.name == "batch-prefetch" and t.is_alive()]
 
 
 def test_a_state_from_another_run_shape_is_refused(data):

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import queue
 import random
+import threading
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -216,6 +218,13 @@ class PackedBatch:
     def quantized(self) -> bool:
         return self.aux_scales is not None
 
+    def pinned(self) -> PackedBatch:
+        """The batch in pinned (page-locked) host memory: its copy to the GPU is queued behind the work already
+        there, where a copy from ordinary memory first waits for all of it."""
+        tensors = {item.name: getattr(self, item.name) for item in fields(self)}
+        return replace(self, **{name: value.pin_memory() for name, value in tensors.items()
+                                if isinstance(value, torch.Tensor) and value.device.type == "cpu"})
+
     def dequantized(self) -> PackedBatch:
         """The batch with its states in the target's dtype, computed on the states' device."""
         if not self.quantized:
@@ -351,6 +360,49 @@ class DataState:
         if epoch < 0 or batch < 0:
             raise DataError(f"data state {value!r}: negative position")
         return cls(epoch, batch)
+
+
+def prefetch(stream: Iterator, depth: int = 2, pin: bool = False) -> Iterator:
+    """The ``(state, PackedBatch)`` items of ``stream``, read up to ``depth`` ahead in a thread of their own, so
+    that reading the next batches from disk goes on while the GPU trains on this one; each batch in pinned memory
+    when ``pin`` (``PackedBatch.pinned``). A failure while reading is raised here, in the order the items come;
+    closing this generator (or leaving a loop over it) stops the thread."""
+    items: queue.Queue = queue.Queue(maxsize=max(1, depth))
+    closed = threading.Event()
+    end = object()
+
+    def put(item) -> bool:
+        while not closed.is_set():
+            try:
+                items.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def read() -> None:
+        try:
+            for state, batch in stream:
+                if not put((state, batch.pinned() if pin else batch)):
+                    return
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
+            put((end, exc))
+            return
+        put((end, None))
+
+    thread = threading.Thread(target=read, name="batch-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            state, batch = items.get()
+            if state is end:
+                if batch is not None:
+                    raise batch
+                return
+            yield state, batch
+    finally:
+        closed.set()
+        thread.join(timeout=10)
 
 
 def batches(data: TrainData, batch_tokens: int, seed: int, rank: int, world: int, state: DataState | None = None,

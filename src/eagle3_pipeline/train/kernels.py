@@ -121,11 +121,15 @@ class PackedLayout:
     segment: torch.Tensor  # [N] int64: which sample each row belongs to (0..S-1)
 
 
-def packed_layout(doc_ids: torch.Tensor) -> PackedLayout:
+def packed_layout(doc_ids: torch.Tensor, device: torch.device | None = None) -> PackedLayout:
     """The layout of ``doc_ids`` [B, T]: a sample ends where the doc id changes or the batch row ends.
 
-    One host synchronisation (the number of samples decides the shape of ``cu_seqlens``).
+    Its tensors on ``device`` (default: the ids'). The number of samples decides the shape of ``cu_seqlens``,
+    so ids on the GPU cost a host synchronisation (the host waits for every kernel queued before); ids still on
+    the host (a batch before its copy to the GPU) cost none: the layout is copied over from pinned memory.
     """
+    device = doc_ids.device if device is None else torch.device(device)
+    host = doc_ids.device.type == "cpu"
     batch, length = doc_ids.shape
     flat = doc_ids.reshape(-1)
     starts = torch.ones_like(flat, dtype=torch.bool)
@@ -133,10 +137,14 @@ def packed_layout(doc_ids: torch.Tensor) -> PackedLayout:
     starts[::length] = True
     first = starts.nonzero().flatten().cpu()
     bounds = torch.cat([first, torch.tensor([flat.numel()])])
+    segment = starts.long().cumsum(0) - 1
+    cu_seqlens = bounds.to(torch.int32)
+    if host and device.type == "cuda":
+        cu_seqlens, segment = cu_seqlens.pin_memory(), segment.pin_memory()
     return PackedLayout(
-        cu_seqlens=bounds.to(torch.int32).to(doc_ids.device, non_blocking=True),
+        cu_seqlens=cu_seqlens.to(device, non_blocking=True),
         max_seqlen=int((bounds[1:] - bounds[:-1]).max()),
-        segment=starts.long().cumsum(0) - 1,
+        segment=segment.to(device, non_blocking=True),
     )
 
 

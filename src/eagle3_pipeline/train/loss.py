@@ -199,7 +199,8 @@ class _FusedHeadLoss(torch.autograd.Function):
                     torch.mm(grad, w, out=grad_hidden[start:stop])
                     grad_weight = _accumulate_product(grad_weight, grad.t(), part)
             grad_hiddens.append(grad_hidden)
-        decays = torch.tensor([decay**k for k in range(len(hiddens))], dtype=row_weights.dtype, device=w.device)
+        # Made on the device: a tensor copied from the host's list would wait for every kernel queued before it.
+        decays = torch.pow(decay, torch.arange(len(hiddens), dtype=row_weights.dtype, device=w.device))
         ctx.grads = (grad_weight, grad_hiddens)
         ctx.mark_non_differentiable(step_losses, argmax)
         return (decays * step_losses).sum(), step_losses, argmax

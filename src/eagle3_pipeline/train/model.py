@@ -73,6 +73,7 @@ from torch import nn
 
 from eagle3_pipeline.train.kernels import (
     MLPGradients,
+    PackedLayout,
     RMSNorm,
     _SwiGLUMLP,
     apply_rope,
@@ -491,6 +492,7 @@ class Eagle3Drafter(nn.Module):
         mlp_recompute_steps: int = 0,
         compile: bool = False,
         head: bool = True,
+        layout: PackedLayout | None = None,
     ) -> list[torch.Tensor]:
         """Unroll ``ttt_length`` draft steps; the logits [B, T, D] of each (see the module docstring).
 
@@ -505,7 +507,9 @@ class Eagle3Drafter(nn.Module):
         ``token_embeds`` (``token_embeddings``' output, default computed here), ``mlp_recompute_steps``
         (the first that many steps redo the MLP's gate/up matmul in the backward instead of keeping
         its [T, 2I] output), ``compile`` (``torch.compile`` the pointwise parts) and ``head`` (False:
-        return each step's normed hidden state [B, T, H], what the lm_head reads, for ``fused_ttt_loss``)).
+        return each step's normed hidden state [B, T, H], what the lm_head reads, for ``fused_ttt_loss``) and
+        ``layout`` (``packed_layout`` of ``doc_ids``, made from the host's copy before the batch went to the GPU;
+        default: made here from ``doc_ids``, which waits for the GPU)).
         """
         if ttt_length < 1:
             raise ValueError(f"ttt_length must be at least 1, got {ttt_length}")
@@ -521,7 +525,8 @@ class Eagle3Drafter(nn.Module):
         if attention == "fused":
             return self.forward_fused(input_ids, aux_hidden, position_ids, ttt_length, doc_ids, position_step,
                                       compute_dtype=compute_dtype, token_embeds=token_embeds,
-                                      mlp_recompute_steps=mlp_recompute_steps, compile=compile, head=head)
+                                      mlp_recompute_steps=mlp_recompute_steps, compile=compile, head=head,
+                                      layout=layout)
         if not head:
             raise ValueError("head=False (normed hidden states instead of logits) needs attention='fused'")
         mask = ttt_attention_mask(doc_ids, ttt_length)  # [B, 1, T, K*T]
@@ -561,6 +566,7 @@ class Eagle3Drafter(nn.Module):
         mlp_recompute_steps: int = 0,
         compile: bool = False,
         head: bool = True,
+        layout: PackedLayout | None = None,
     ) -> list[torch.Tensor]:
         """``forward_ttt`` on flattened rows [N = B*T], the weights cast once to ``compute_dtype``.
 
@@ -585,7 +591,8 @@ class Eagle3Drafter(nn.Module):
             return weight if weight.dtype == compute_dtype else weight.to(compute_dtype)
 
         with torch.autocast(input_ids.device.type, enabled=False):
-            layout = packed_layout(doc_ids)
+            if layout is None:  # from the ids on the device: the host waits for the GPU here
+                layout = packed_layout(doc_ids)
             if token_embeds is None:
                 token_embeds = self.token_embeddings(input_ids, ttt_length)
             token_embeds = token_embeds.to(device=input_ids.device, dtype=compute_dtype)  # [B, T + K, H]

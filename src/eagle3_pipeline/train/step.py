@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from eagle3_pipeline.train.data import PackedBatch
-from eagle3_pipeline.train.kernels import fused_kernels
+from eagle3_pipeline.train.kernels import fused_kernels, packed_layout
 from eagle3_pipeline.train.loss import (
     TeacherTargets,
     TTTLoss,
@@ -188,24 +188,31 @@ class StepRunner:
                 denominators = torch.ones(self.ttt_length, device=self.device)
         return self._run(prepared, training, denominators)
 
-    def _prepare(self, batch: PackedBatch) -> tuple[PackedBatch, torch.Tensor | None, TeacherTargets]:
-        """The batch on the device, its host-gathered embeddings (fused path) and its teacher."""
-        token_embeds = None
-        if self.attention == "fused" and self.embeddings == "host":
-            # Gathered from the batch's host ids before anything waits on the device.
-            token_embeds = self.model.token_embeddings(batch.input_ids[None], self.ttt_length, self.device,
-                                                       self.compute_dtype)
+    def _prepare(self, batch: PackedBatch) -> tuple:
+        """The batch on the device, its host-gathered embeddings and its packed layout (fused path), its teacher.
+
+        Nothing here waits for the GPU when the batch comes in pinned host memory (``PackedBatch.pinned``): the
+        embeddings and the layout are made from the host's copy, and every copy is queued behind the work before,
+        so the host goes on queueing this step while the GPU finishes the last."""
+        token_embeds = layout = None
+        if self.attention == "fused":
+            if self.embeddings == "host":
+                token_embeds = self.model.token_embeddings(batch.input_ids[None], self.ttt_length, self.device,
+                                                           self.compute_dtype)
+            if batch.doc_ids.device.type == "cpu":
+                layout = packed_layout(batch.doc_ids[None], self.device)
         batch = batch.to(self.device, non_blocking=True)
-        return batch, token_embeds, self.teacher(batch)
+        return batch, token_embeds, self.teacher(batch), layout
 
     def _run(self, prepared, training: bool, denominators: torch.Tensor) -> tuple[TTTLoss, TTTMetrics]:
-        batch, token_embeds, teacher = prepared
+        batch, token_embeds, teacher, layout = prepared
         module = self.module if training else self.model
         inputs = (batch.input_ids[None], batch.aux_hidden[None], batch.position_ids[None], self.ttt_length,
                   batch.doc_ids[None])
         if self.attention == "fused":
             hidden = module(*inputs, attention="fused", compute_dtype=self.compute_dtype, token_embeds=token_embeds,
-                            mlp_recompute_steps=self.mlp_recompute_steps, compile=self.compile, head=False)
+                            mlp_recompute_steps=self.mlp_recompute_steps, compile=self.compile, head=False,
+                            layout=layout)
             kernels = fused_kernels(self.model.config, self.compile)
             loss, top = fused_ttt_loss(hidden, self.model.lm_head.weight, teacher, denominators=denominators,
                                        kernels=kernels)

@@ -77,6 +77,7 @@ from eagle3_pipeline.train.data import (
     opening_answers,
     opening_mask,
     pack,
+    prefetch,
     shard,
 )
 from eagle3_pipeline.train.loss import TTTMetrics
@@ -860,42 +861,71 @@ def train(cfg: TrainConfig) -> dict:
     try:
         progress.update(message=f"resumed from step {step}" if resumed_from else "started", force=True)
         if step < plan.limit:
-            # Float8 states stay float8 until the device: half the bytes to read and to copy there.
-            stream = batches(plan.data, cfg.batch_tokens, cfg.seed, rank, world, data_state,
-                             samples=plan.train_samples, epochs=cfg.epochs, dequantize=False, group=plan.accumulate)
+            # Float8 states stay float8 until the device: half the bytes to read and to copy there. Read ahead in
+            # a thread, pinned for the GPU: the host queues each step while the GPU still runs the one before.
+            stream = prefetch(batches(plan.data, cfg.batch_tokens, cfg.seed, rank, world, data_state,
+                                      samples=plan.train_samples, epochs=cfg.epochs, dequantize=False,
+                                      group=plan.accumulate), pin=device.type == "cuda")
             epoch = data_state.epoch
-            for after, group in _steps(stream, plan.accumulate):
-                started = time.perf_counter()
-                lr = lr_at(step, cfg, plan.total)
-                loss, metrics = runner.train_step(group[0] if len(group) == 1 else group, optimizer, lr,
-                                                  cfg.grad_clip)
-                step += 1
-                reduced = all_reduce(loss.loss.detach().clone()) / world
-                parts = all_reduce(loss.step_losses.clone()) / world
-                for name in METRIC_COUNTS:
-                    all_reduce(getattr(metrics, name))
-                tokens = all_reduce(torch.tensor(sum(batch.num_tokens for batch in group), device=device))
-                elapsed = max(time.perf_counter() - started, 1e-9)
-                last = {"kind": "train", "step": step, "epoch": epoch + 1, "loss": float(reduced),
-                        **_metric_fields(parts, metrics), "tokens": int(tokens),
-                        "tokens_per_s": int(tokens) / elapsed, "lr": lr}
+            queued = None  # the last step's figures, still on the device: read once the next step is queued too
+            read_at = time.perf_counter()
+            stop_flag = None  # several processes: the last step's stop request, summed over them on the device
+
+            def read_figures(figures: dict) -> None:
+                """Log a step's figures. Reading them waits for that step's kernels, not for the one queued after it;
+                its tokens/s counts the time since the step before it was read."""
+                nonlocal last, read_at
+                fields_ = {"loss": float(figures["loss"]), **_metric_fields(figures["parts"], figures["metrics"]),
+                           "tokens": int(figures["tokens"])}
+                now = time.perf_counter()
+                elapsed, read_at = max(now - read_at, 1e-9), now
+                last = {"kind": "train", "step": figures["step"], "epoch": figures["epoch"], **fields_,
+                        "tokens_per_s": fields_["tokens"] / elapsed, "lr": figures["lr"]}
                 log.write(last)
-                epoch, data_state = after.epoch, after
-                progress.update(step=step, epoch=last["epoch"], epochs=cfg.epochs, loss=last["loss"],
+                progress.update(step=last["step"], epoch=last["epoch"], epochs=cfg.epochs, loss=last["loss"],
                                 acc_k=last["acc_k"], acceptance_length=last["acceptance_length"],
                                 tokens_per_s=last["tokens_per_s"])
-                asked = stop["stop"] or bool(stop_file and os.path.exists(stop_file))
-                stopping = all_reduce(torch.tensor(int(asked), device=device)).item() > 0
-                if step >= plan.limit:
-                    break
-                if stopping:
-                    checkpoint(step, data_state)
-                    progress.update("stopped", f"stopped on request at step {step}; rerun to continue",
-                                    force=True)
-                    raise StopRequested(f"stopped on request at step {step} of {plan.limit}; checkpoint saved, "
-                                        "rerun to continue")
-                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                    checkpoint(step, data_state)
+
+            try:
+                for after, group in _steps(stream, plan.accumulate):
+                    lr = lr_at(step, cfg, plan.total)
+                    loss, metrics = runner.train_step(group[0] if len(group) == 1 else group, optimizer, lr,
+                                                      cfg.grad_clip)
+                    step += 1
+                    for name in METRIC_COUNTS:
+                        all_reduce(getattr(metrics, name))
+                    tokens = sum(batch.num_tokens for batch in group)
+                    figures = {"step": step, "epoch": epoch + 1, "lr": lr, "metrics": metrics,
+                               "loss": all_reduce(loss.loss.detach().clone()) / world,
+                               "parts": all_reduce(loss.step_losses.clone()) / world,
+                               "tokens": all_reduce(torch.full((), tokens, device=device)) if world > 1 else tokens}
+                    if queued is not None:
+                        read_figures(queued)
+                    queued = figures
+                    epoch, data_state = after.epoch, after
+                    asked = stop["stop"] or bool(stop_file and os.path.exists(stop_file))
+                    if world > 1:  # every process stops at the same step: the request summed, read a step later
+                        stopping = stop_flag is not None and int(stop_flag) > 0
+                        stop_flag = all_reduce(torch.full((), int(asked), device=device))
+                    else:
+                        stopping = asked
+                    if step >= plan.limit:
+                        break
+                    if stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+                        read_figures(queued)
+                        queued = None
+                    if stopping:
+                        checkpoint(step, data_state)
+                        progress.update("stopped", f"stopped on request at step {step}; rerun to continue",
+                                        force=True)
+                        raise StopRequested(f"stopped on request at step {step} of {plan.limit}; checkpoint saved, "
+                                            "rerun to continue")
+                    if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                        checkpoint(step, data_state)
+                if queued is not None:
+                    read_figures(queued)
+            finally:
+                stream.close()
             checkpoint(step, data_state)
 
         final_state, _ = full_state(runner.module, optimizer)
