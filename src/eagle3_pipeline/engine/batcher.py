@@ -389,19 +389,25 @@ class ModelRunner:
             reason = f"no room for a slot cache ({slots} slots of {slot_tokens} tokens)"
         decoder = None
         failures = []
-        # With CUDA graphs first; a failure there (a kernel that cannot be captured) leaves them off.
-        for replay in ([True, False] if graphs else [False]) if reason is None else []:
+        # With CUDA graphs for decode steps and prefills first; a failure there (a kernel that cannot be captured, a
+        # replay that differs) leaves the prefills' graphs off, then every graph.
+        replayable = reason is None and graphs and slot_cache.flash_possible(self.model)
+        attempts = ([(True, True)] if replayable and prefill_graphs
+                    and slot_cache.prefill_graph_tokens(self.model.get_decoder().layers) else [])
+        attempts += [(True, False)] if replayable else []
+        for replay, replay_prefill in [*attempts, (False, False)] if reason is None else []:
             try:
-                decoder = slot_cache.SlotDecoder(self.model, slots, slot_tokens, replay, prefill_graphs)
+                decoder = slot_cache.SlotDecoder(self.model, slots, slot_tokens, replay, replay_prefill)
                 with self.torch.inference_mode():
                     reason = self._compare_slot_decode(decoder)
             except (RuntimeError, ValueError) as exc:  # a kernel this device or build lacks
-                LOG.warning("slot decoding %s CUDA graphs failed", "with" if replay else "without", exc_info=True)
+                LOG.warning("slot decoding (CUDA graphs %s, prefill graphs %s) failed", replay, replay_prefill,
+                            exc_info=True)
                 reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             if reason is None:
                 break
-            if decoder is not None and decoder.graphs_on:
-                failures.append(f"CUDA graphs off: {reason}")
+            if replay:
+                failures.append(f"{'prefill graphs' if replay_prefill else 'CUDA graphs'} off: {reason}")
             decoder = None
         if reason is not None:
             self.slot_decoder = None

@@ -117,6 +117,15 @@ def _bucket(n: int, limit: int) -> int:
     return min(size, limit)
 
 
+def flash_possible(model) -> bool:
+    """Whether slot decoding of ``model`` runs flash attention (CUDA, bf16 or fp16, head_dim at most 256): what its
+    CUDA graphs need (the other attention reads host-side lengths)."""
+    weight = model.get_input_embeddings().weight
+    head_dim = int(model.get_decoder().layers[0].self_attn.head_dim)
+    return (weight.device.type == "cuda" and weight.dtype in (torch.bfloat16, torch.float16) and head_dim <= 256
+            and hasattr(torch.ops.aten, "_flash_attention_forward"))
+
+
 def prefill_graph_tokens(layers, flops: float = PREFILL_GRAPH_FLOPS) -> int:
     """The most tokens a prefill replayed as a CUDA graph takes for a model with these decoder ``layers``: the
     largest power of two whose forward costs at most ``flops`` (2 x parameters a token), at most
@@ -156,8 +165,7 @@ class SlotDecoder:
         self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._free = list(range(self.slots))
-        self.flash = (self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
-                      and self.head_dim <= 256 and hasattr(torch.ops.aten, "_flash_attention_forward"))
+        self.flash = flash_possible(model)
         # Graphs replay fixed kernels: only flash attention reads the slots without host-side lengths.
         self.graphs_on = bool(graphs) and self.flash
         self._graphs: dict[int, tuple] = {}
