@@ -70,3 +70,33 @@ def test_flash_prefix_gradients_match_float32_dense_math():
     assert cosine(flash, dense) > 0.999
     for a, b in zip(got, expected):
         assert cosine(a, b) > 0.995
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_triton_soft_ce_equals_the_compiled_one(dtype):
+    """One row per program, two passes: the CE, the gradient and the argmax of ``soft_ce_rows`` (a row length that is
+    not a multiple of the kernel's block, rows with tied maxima, row weights of 0 and more)."""
+    from eagle3_pipeline.train.kernels import soft_ce_rows
+    from eagle3_pipeline.train.soft_ce_triton import BLOCK
+    from eagle3_pipeline.train.soft_ce_triton import soft_ce_rows as triton_soft_ce
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    rows, cols = 1000, 3 * BLOCK + 77
+    logits = (torch.randn(rows, cols, device="cuda", generator=generator) * 3).to(dtype)
+    teacher = (torch.randn(rows, cols, device="cuda", generator=generator) * 3).to(dtype)
+    logits[:10] = 0  # every column tied: the first is the argmax
+    logits[10:20, 5] = logits[10:20, 5 + BLOCK] = 100  # a tie across lanes and blocks
+    weights = torch.rand(rows, device="cuda", generator=generator)
+    weights[::7] = 0
+    ce, grad, top = triton_soft_ce(logits, teacher, weights)
+    want_ce, want_grad, want_top = soft_ce_rows(logits, teacher, weights)
+    torch.testing.assert_close(ce, want_ce, rtol=1e-5, atol=1e-5)
+    assert torch.equal(top, want_top)
+    assert grad.dtype == dtype and grad.shape == want_grad.shape
+    # float32 sums in another order: the gradients agree to the logits' dtype's rounding.
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(grad.float(), want_grad.float(), rtol=tolerance, atol=1e-6)
+    # A slice of a wider tensor (the loss passes row slices of the teacher's logits).
+    wide = torch.randn(rows + 3, cols, device="cuda", generator=generator).to(dtype)
+    ce, _, _ = triton_soft_ce(logits, wide[2: rows + 2], weights)
+    torch.testing.assert_close(ce, soft_ce_rows(logits, wide[2: rows + 2], weights)[0], rtol=1e-5, atol=1e-5)

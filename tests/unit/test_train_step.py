@@ -113,3 +113,58 @@ def test_the_training_benchmark_runs_tiny_on_the_cpu():
     profiled = [r["profile"] for r in json.loads(result.stdout[result.stdout.index("\n[") + 1:])]
     assert len(profiled) == 2 and all(p["wall_ms_per_step"] > 0 and p["kernels_per_step"] == 0 for p in profiled)
     assert "aten::mm" in result.stdout and "Self CPU" in result.stdout
+
+
+def _soft_ce_inputs():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, 50, generator=generator)
+    logits[0] = 0  # a row of ties
+    return logits, torch.randn(12, 50, generator=generator), torch.rand(12, generator=generator)
+
+
+def test_a_faster_soft_ce_that_agrees_with_the_reference_takes_over_after_its_first_call():
+    from eagle3_pipeline.train.kernels import CheckedSoftCE, soft_ce_rows
+
+    calls = []
+
+    def candidate(logits, teacher, weight):
+        calls.append("candidate")
+        ce, grad, top = soft_ce_rows(logits, teacher, weight)
+        top[0] = 7  # another of the tied maxima of row 0: the same answer
+        return ce * (1 + 1e-7), grad, top
+
+    checked = CheckedSoftCE(candidate, soft_ce_rows, devices=("cpu",))
+    inputs = _soft_ce_inputs()
+    first = checked(*inputs)
+    assert checked.failure is None and int(first[2][0]) == 7  # checked, and its result used
+    checked(*inputs)
+    assert calls == ["candidate", "candidate"]
+    # Not on a listed device: the reference, the candidate never called.
+    assert CheckedSoftCE(candidate, soft_ce_rows, devices=("cuda",))(*inputs)[2][0] == 0 and len(calls) == 2
+
+
+@pytest.mark.parametrize("fault", ["wrong CE", "wrong argmax", "raises"])
+def test_a_faster_soft_ce_that_differs_or_fails_is_turned_off_with_a_warning_naming_why(fault):
+    from eagle3_pipeline.train.kernels import CheckedSoftCE, soft_ce_rows
+
+    calls = []
+
+    def candidate(logits, teacher, weight):
+        calls.append(1)
+        if fault == "raises":
+            raise RuntimeError("no kernel image for this device")
+        ce, grad, top = soft_ce_rows(logits, teacher, weight)
+        if fault == "wrong CE":
+            return ce + 0.01, grad, top
+        return ce, grad, (top + 1) % logits.shape[1]
+
+    checked = CheckedSoftCE(candidate, soft_ce_rows, devices=("cpu",))
+    inputs = _soft_ce_inputs()
+    want = soft_ce_rows(*inputs)
+    with pytest.warns(RuntimeWarning, match="compiled one trains instead") as caught:
+        got = checked(*inputs)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))  # the reference's result, not the candidate's
+    expected = {"wrong CE": "CE differs", "wrong argmax": "argmax in 11 rows", "raises": "no kernel image"}[fault]
+    assert expected in str(caught[0].message)
+    checked(*inputs)
+    assert len(calls) == 1  # never again

@@ -13,12 +13,15 @@ the backward. Fine for correctness and the tiny model; a flex-attention or split
 The fused path (``attention="fused"``) computes the same function on flattened rows without the
 mask: flash attention over each sample's causal prefix merged through the log-sum-exp with each
 row's own draft-step keys (``ttt_attention``), the SwiGLU MLP with its gradient kept small
-(``_SwiGLUMLP``), and the pointwise pieces of a step, optionally compiled (``FusedKernels``). The
-RMSNorm and RoPE math shared with the drafter's modules is here too.
+(``_SwiGLUMLP``), and the pointwise pieces of a step, optionally compiled (``FusedKernels``; when compiled
+on CUDA the soft cross-entropy is the Triton kernel of ``train/soft_ce_triton.py`` instead, unless
+``EAGLE3_TRITON_SOFT_CE=0``). The RMSNorm and RoPE math shared with the drafter's modules is here too.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -375,11 +378,75 @@ class FusedKernels:
         self.pre, self.mid, self.post = wrap(pre), wrap(mid), wrap(post)
         self.act, self.act_backward = wrap(swiglu_act), wrap(swiglu_act_backward)
         self.diagonal_merge, self.diagonal_backward = wrap(diagonal_merge), wrap(diagonal_backward)
-        self.soft_ce = wrap(soft_ce_rows)
+        compiled_soft_ce, triton_soft_ce = wrap(soft_ce_rows), triton_soft_ce_rows() if compile else None
+        self.soft_ce = compiled_soft_ce if triton_soft_ce is None else CheckedSoftCE(triton_soft_ce, compiled_soft_ce)
         self.compiled = compile
 
 
+class CheckedSoftCE:
+    """A faster soft CE (``candidate``) where the logits are on CUDA, checked once against ``reference`` (same
+    signature and results as ``soft_ce_rows``): its first call computes both and compares them (the CE, the argmax,
+    the gradient within the logits' rounding); a difference or an error there warns, names it, and leaves the
+    reference in its place for good. On other devices than ``devices``, and after a failed check, the reference."""
+
+    def __init__(self, candidate, reference, devices: tuple[str, ...] = ("cuda",)):
+        self.candidate, self.reference, self.devices = candidate, reference, devices
+        self.checked = False
+        self.failure: str | None = None
+
+    def __call__(self, logits, teacher_logits, row_weight):
+        if self.failure is not None or logits.device.type not in self.devices:
+            return self.reference(logits, teacher_logits, row_weight)
+        if self.checked:
+            return self.candidate(logits, teacher_logits, row_weight)
+        self.checked = True
+        want = self.reference(logits, teacher_logits, row_weight)
+        try:
+            got = self.candidate(logits, teacher_logits, row_weight)
+            self.failure = soft_ce_difference(got, want, logits)
+        except Exception as exc:  # noqa: BLE001 - any failure of the candidate means: use the reference
+            self.failure = f"{type(exc).__name__}: {exc}"
+        if self.failure is None:
+            return got
+        warnings.warn(f"the faster soft cross-entropy kernel is off, the compiled one trains instead: {self.failure}",
+                      RuntimeWarning, stacklevel=2)
+        return want
+
+
+def soft_ce_difference(got, want, logits: torch.Tensor) -> str | None:
+    """How two ``soft_ce_rows`` results (ce, grad, argmax) of ``logits`` differ beyond rounding, or None (two argmaxes
+    of equal logits are the same answer)."""
+    (ce, grad, top), (want_ce, want_grad, want_top) = got, want
+    if ce.shape != want_ce.shape or grad.shape != want_grad.shape or grad.dtype != want_grad.dtype:
+        return f"shapes or dtypes differ: {tuple(ce.shape)}/{tuple(grad.shape)} {grad.dtype} against " \
+               f"{tuple(want_ce.shape)}/{tuple(want_grad.shape)} {want_grad.dtype}"
+    ce_error = ((ce - want_ce).abs() / want_ce.abs().clamp_min(1.0)).max().item() if ce.numel() else 0.0
+    scale = want_grad.float().abs().max().clamp_min(1e-12)
+    grad_error = ((grad.float() - want_grad.float()).abs().max() / scale).item() if grad.numel() else 0.0
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    mismatched = int(((top != want_top) & (logits[rows, top] != logits[rows, want_top])).sum())
+    grad_allowed = 1e-5 if logits.dtype == torch.float32 else 2**-6
+    if not (ce_error <= 1e-4 and grad_error <= grad_allowed and mismatched == 0):
+        return (f"CE differs by {ce_error:.3g} (allowed 1e-4), the gradient by {grad_error:.3g} of its largest value "
+                f"(allowed {grad_allowed:.3g}), the argmax in {mismatched} rows")
+    return None
+
+
 _KERNELS: dict[tuple, FusedKernels] = {}
+# "0" turns the Triton soft CE off (the compiled ``soft_ce_rows`` instead): for side-by-side measurements.
+TRITON_SOFT_CE_ENV = "EAGLE3_TRITON_SOFT_CE"
+
+
+def triton_soft_ce_rows():
+    """``soft_ce_rows`` as one Triton kernel (``train/soft_ce_triton.py``), or None where Triton cannot be imported
+    or ``EAGLE3_TRITON_SOFT_CE`` is 0."""
+    if os.environ.get(TRITON_SOFT_CE_ENV, "1") == "0":
+        return None
+    try:
+        from eagle3_pipeline.train.soft_ce_triton import soft_ce_rows as kernel  # noqa: PLC0415
+    except ImportError:
+        return None
+    return kernel
 
 
 class _EagerKernels:
