@@ -81,3 +81,25 @@ def test_the_graph_token_limit_keeps_a_padded_prefill_within_its_flops():
     assert slot_cache.prefill_graph_tokens(small) == slot_cache.PREFILL_GRAPH_MAX_TOKENS
     assert slot_cache.prefill_graph_tokens(small, flops=2e5 * 1000) == 512
     assert slot_cache.prefill_graph_tokens(small, flops=2e5 * 255) == 0
+
+
+def test_a_prefill_graph_that_cannot_be_captured_leaves_that_prefill_and_every_later_one_eager(decoder, caplog):
+    """Graphs on where they cannot be captured (no CUDA here): the prefill still returns the eager result, warns
+    once with the reason, and later prefills go straight to the eager path."""
+    rows = rows_of([5, 9])
+    plain, forced = decoder.take(2), decoder.take(2)
+    try:
+        with torch.inference_mode():
+            want, _ = decoder.prefill(plain, rows)
+            decoder.prefill_graph_tokens = 64
+            with caplog.at_level("WARNING"):
+                got, _ = decoder.prefill(forced, rows)
+            again, _ = decoder.prefill(forced, rows)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(again, want, rtol=1e-5, atol=1e-5)
+        assert decoder.prefill_graph_tokens == 0 and decoder.prefill_graphs_failure.startswith("RuntimeError: ")
+        assert "prefill graphs off" in decoder.describe()
+        assert len([r for r in caplog.records if "could not replay a CUDA graph" in r.getMessage()]) == 1
+    finally:
+        decoder.prefill_graph_tokens, decoder.prefill_graphs_failure = 0, None
+        decoder.release(plain + forced)

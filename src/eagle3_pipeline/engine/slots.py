@@ -29,9 +29,12 @@ layers, sliding windows, position-dependent RoPE scaling).
 from __future__ import annotations
 
 import heapq
+import logging
 
 import torch
 import torch.nn.functional as F
+
+LOG = logging.getLogger(__name__)
 
 # RoPE variants whose frequencies do not depend on the sequence length (graph-safe, slot-safe).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -174,6 +177,7 @@ class SlotDecoder:
         # Prefills of at most this many tokens (padded) replay CUDA graphs, keyed by (tokens, rows); 0: none.
         self.prefill_graph_tokens = prefill_graph_tokens(self.layers) if self.graphs_on and prefill_graphs else 0
         self._prefill_graphs: dict[tuple[int, int], tuple] = {}
+        self.prefill_graphs_failure: str | None = None  # why prefill graphs went off while serving
         self._prefill_static: dict[str, torch.Tensor] | None = None
 
     # -- slots -------------------------------------------------------------------------------
@@ -199,6 +203,8 @@ class SlotDecoder:
         graphs = "CUDA graphs" if self.graphs_on else "no CUDA graphs"
         if self.prefill_graph_tokens:
             graphs += f" (decode; prefills up to {self.prefill_graph_tokens} tokens)"
+        elif self.prefill_graphs_failure:
+            graphs += f" (decode; prefill graphs off: {self.prefill_graphs_failure})"
         return f"slots: {self.slots} x {self.slot_tokens} tokens, {attention}, {graphs}"
 
     # -- the forward ----------------------------------------------------------------------------
@@ -296,8 +302,11 @@ class SlotDecoder:
         for group in groups:
             rows = [prompts[i] for i in group]
             if not aux_layers and self._prefill_shape(rows) is not None:
-                logits.append(self._prefill_replay([slots[i] for i in group], rows))
-                continue
+                try:
+                    logits.append(self._prefill_replay([slots[i] for i in group], rows))
+                    continue
+                except RuntimeError as exc:  # a shape whose capture fails (out of memory, say): eager from now on
+                    self._prefill_graphs_off(exc)
             last, captured = self._rows([slots[i] for i in group], rows, [0] * len(group), aux_layers)
             logits.append(last)
             if aux_layers:
@@ -449,6 +458,15 @@ class SlotDecoder:
             logits, _ = self.forward(*args, select=select)
         self._prefill_graphs[shape] = (graph, logits)
         return self._prefill_graphs[shape]
+
+    def _prefill_graphs_off(self, exc: Exception) -> None:
+        """Prefill eagerly from now on, this prefill too: replaying or capturing a prefill graph failed."""
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        LOG.warning("a prefill (graphs up to %s tokens) could not replay a CUDA graph (%s): prefills are eager "
+                    "from now on", self.prefill_graph_tokens, reason)
+        self.prefill_graph_tokens = 0
+        self.prefill_graphs_failure = reason
+        self._prefill_graphs.clear()
 
     def _prefill_replay(self, slots: list[int], rows: list[list[int]]):
         """Prefill ``rows`` into ``slots`` by replaying the graph of their padded shape: the logits [B, V]."""
