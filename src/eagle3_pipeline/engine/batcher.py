@@ -845,8 +845,9 @@ class BatchWorker:
                 "mean_decode_batch": round(self.decode_rows / self.decode_steps, 1) if self.decode_steps else 0.0,
                 "prefills": self.batches,
                 "mean_prefill_batch": round(self.prefill_rows / self.batches, 1) if self.batches else 0.0,
-                "decode_s": round(self.decode_s, 1), "prefill_s": round(self.prefill_s, 1),
-                "idle_s": round(self.idle_s, 1), "wall_s": round(wall, 1)}
+                # To the millisecond: rounded to tenths, three parts of a short run could add up past its wall time.
+                "decode_s": round(self.decode_s, 3), "prefill_s": round(self.prefill_s, 3),
+                "idle_s": round(self.idle_s, 3), "wall_s": round(wall, 3)}
 
     def describe_stats(self) -> str:
         """``stats`` as a sentence for the log."""
