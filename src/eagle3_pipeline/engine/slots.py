@@ -446,16 +446,7 @@ class SlotDecoder:
         args = (static["tokens"][:tokens], static["positions"][:tokens], static["write"][:tokens],
                 static["cu_q"][: rows + 1], longest, static["key_start"][: rows + 1], static["used"][:rows])
         select = static["select"][:rows]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self.forward(*args, select=select)  # warm-up: kernels chosen and loaded outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits, _ = self.forward(*args, select=select)
+        graph, (logits, _) = self._capture(lambda: self.forward(*args, select=select))
         self._prefill_graphs[shape] = (graph, logits)
         return self._prefill_graphs[shape]
 
@@ -505,19 +496,25 @@ class SlotDecoder:
         static["write"][:size].fill_(self.scratch * self.slot_tokens)
         static["key_start"][: size + 1].fill_(self.scratch * self.slot_tokens)
         static["used"][:size].fill_(1)
+        graph, (logits, _) = self._capture(lambda: self.forward(*args))
+        self._graphs[size] = (graph, logits)
+        return self._graphs[size]
+
+    def _capture(self, run):
+        """``run()`` (a forward over static buffers) captured as a CUDA graph in the decoder's one memory pool, after a
+        warm-up on a side stream that chooses and loads its kernels: (the graph, what the captured run returned)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self.forward(*args)  # warm-up: kernels chosen and loaded outside the capture
+            run()
         torch.cuda.current_stream().wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # thread_local: the capture writers' copies on other threads go on while this thread captures.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits, _ = self.forward(*args)
-        self._graphs[size] = (graph, logits)
-        return self._graphs[size]
+            out = run()
+        return graph, out
 
     def _replay(self, slots, tokens, positions):
         n = len(slots)
