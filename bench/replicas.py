@@ -159,7 +159,19 @@ def regenerate(args, name: str, gpus: int, per: int) -> dict:
             "prefills": sum(w["prefills"] for w in workers),
             "mean_prefill_batch": weighted_mean(workers, "mean_prefill_batch", "prefills"),
             "decode_share": sum(w["decode_s"] / w["wall_s"] for w in workers) / len(workers),
-            "prefill_share": sum(w["prefill_s"] / w["wall_s"] for w in workers) / len(workers)}
+            "prefill_share": sum(w["prefill_s"] / w["wall_s"] for w in workers) / len(workers),
+            # A decode step's milliseconds, and where they went: the model thread on a CPU (Python, launches, a
+            # spinning wait), waiting for the replayed steps on the GPU, answering the finished rows.
+            "decode_step_ms": step_ms(workers, "decode_s"), "decode_cpu_ms": step_ms(workers, "decode_cpu_s"),
+            "decode_gpu_wait_ms": step_ms(workers, "decode_gpu_wait_s"), "answer_ms": step_ms(workers, "answer_s")}
+
+
+def step_ms(workers: list[dict], key: str) -> float | None:
+    """``key``'s seconds over all processes' decode steps, in milliseconds a step (None where not reported)."""
+    steps = sum(w["decode_steps"] for w in workers)
+    if not steps or any(w.get(key) is None for w in workers):
+        return None
+    return 1000 * sum(w[key] for w in workers) / steps
 
 
 def extract(args, name: str, gpus: int, per: int, dataset: Path) -> dict:
@@ -201,12 +213,18 @@ def same_answers(first: Path, other: Path) -> tuple[int, int]:
     return sum(1 for key, value in mine.items() if theirs.get(key) == value), len(mine)
 
 
+def ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def describe_regeneration(name: str, regen: dict) -> str:
     """One line: the layout's regeneration and where its processes' time went."""
     return (f"{name} regenerate: {regen['tokens']:,} tokens in {regen['seconds']:.1f} s, "
             f"{regen['tokens_per_s']:,.0f} tokens/s; a decode step carried {regen['mean_decode_batch']:.0f} requests "
             f"on average, a prefill {regen['mean_prefill_batch']:.1f} ({regen['prefills']:,} prefills); each process "
-            f"decoding {regen['decode_share']:.0%} and prefilling {regen['prefill_share']:.0%} of the time; CPU "
+            f"decoding {regen['decode_share']:.0%} and prefilling {regen['prefill_share']:.0%} of the time; a decode "
+            f"step {ms(regen['decode_step_ms'])} ms ({ms(regen['decode_cpu_ms'])} on the model thread's CPU, "
+            f"{ms(regen['decode_gpu_wait_ms'])} waiting for the GPU, {ms(regen['answer_ms'])} answering); CPU "
             f"seconds a second: the client {regen['client_cpu']:.2f}, the server {regen['server_cpu']:.2f}; "
             f"{regen['same_as_first']} of {regen['compared']} conversations as the first layout")
 

@@ -128,11 +128,22 @@ def test_speculative_decoding_over_slots_gives_the_targets_greedy_decode(smollm2
           "all at near-ties")
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_prefills_replayed_as_cuda_graphs_match_full_forwards_and_decode_on(smollm2_shaped, dtype):
+def test_float32_slots_decode_without_graphs(smollm2_shaped):
+    """Float32 has no flash attention, and CUDA graphs need it (the other attention reads host-side lengths): the
+    slots decode eagerly, decode and prefill graphs both off, and say so."""
+    runner = ModelRunner(str(smollm2_shaped), device="cuda", dtype="float32")
+    assert runner.enable_slots(64, 1024, graphs=True), runner.decode_path
+    decoder = runner.slot_decoder
+    assert not decoder.flash and not decoder.graphs_on and decoder.prefill_graph_tokens == 0
+    assert "scaled dot-product attention, no CUDA graphs" in runner.decode_path, runner.decode_path
+
+
+def test_prefills_replayed_as_cuda_graphs_match_full_forwards_and_decode_on(smollm2_shaped):
     """Prefills of a few prompts replay CUDA graphs (padded to a power of two of tokens and rows): each row's
     logits, and the teacher-forced decode that reads the keys the replay wrote, match full forwards; graphs are
-    captured once per shape and reused; a prefill beyond the graphs' tokens stays eager."""
+    captured once per shape and reused; a prefill beyond the graphs' tokens stays eager. (The graphs need flash
+    attention: bf16 here, float32 above.)"""
+    dtype = "bfloat16"
     runner = ModelRunner(str(smollm2_shaped), device="cuda", dtype=dtype)
     assert runner.enable_slots(64, 1024, graphs=True), runner.decode_path
     decoder = runner.slot_decoder

@@ -45,6 +45,10 @@ def test_one_process_against_two_replicas_side_by_side(tiny_model_dir, tmp_path)
         regen = row["regenerate"]
         assert regen["prefills"] >= 1 and regen["mean_prefill_batch"] * regen["prefills"] >= 12 - 1e-6, regen
         assert regen["client_cpu"] > 0 and regen["server_cpu"] > 0, regen
+        # A decode step's time and its parts (no replayed steps on a CPU: none waited for).
+        assert 0 < regen["decode_cpu_ms"] <= regen["decode_step_ms"] + 0.01, regen
+        assert 0 <= regen["answer_ms"] <= regen["decode_step_ms"] + 0.01, regen
+        assert regen["decode_gpu_wait_ms"] in (None, 0.0), regen
         assert len(row["regenerate"]["workers"]) == row["gpus"] * row["replicas_per_gpu"]
         # Every regenerated conversation extracted: the same stored tokens whichever server answered.
         assert row["extract"]["samples"] == 12 and row["extract"]["tokens"] == rows[0]["extract"]["tokens"]

@@ -143,6 +143,10 @@ def test_concurrent_requests_are_spread_over_the_replicas_and_each_is_right(serv
         assert worker["decode_steps"] >= 3 and worker["mean_decode_batch"] >= 1.0, worker
         # Each figure rounded to the millisecond: the parts may add up to 2 ms past the wall time.
         assert 0 < worker["decode_s"] + worker["prefill_s"] + worker["idle_s"] <= worker["wall_s"] + 0.002, worker
+        # Of the decoding: the model thread's CPU time, the waits for replayed steps (none on a CPU), answering.
+        assert 0 < worker["decode_cpu_s"] <= worker["decode_s"] + 0.002, worker
+        assert 0 <= worker["answer_s"] <= worker["decode_s"] + 0.002, worker
+        assert worker["decode_gpu_wait_s"] in (None, 0.0), worker
 
 
 def test_a_rid_in_flight_on_one_replica_is_refused_on_the_other(server):

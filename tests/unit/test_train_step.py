@@ -143,9 +143,12 @@ def test_a_faster_soft_ce_that_agrees_with_the_reference_takes_over_after_its_fi
     assert CheckedSoftCE(candidate, soft_ce_rows, devices=("cuda",))(*inputs)[2][0] == 0 and len(calls) == 2
 
 
-@pytest.mark.parametrize("fault", ["wrong CE", "wrong argmax", "raises"])
-def test_a_faster_soft_ce_that_differs_or_fails_is_turned_off_with_a_warning_naming_why(fault):
+@pytest.mark.parametrize("fault", ["wrong CE", "wrong argmax", "wrong gradient in the last block", "raises"])
+def test_a_faster_soft_ce_that_differs_or_fails_is_turned_off_with_a_warning_naming_why(fault, monkeypatch):
+    from eagle3_pipeline.train import kernels
     from eagle3_pipeline.train.kernels import CheckedSoftCE, soft_ce_rows
+
+    monkeypatch.setattr(kernels, "CHECK_ROWS", 5)  # the gradients compared in blocks of 5, 5 and 2 rows
 
     calls = []
 
@@ -156,6 +159,10 @@ def test_a_faster_soft_ce_that_differs_or_fails_is_turned_off_with_a_warning_nam
         ce, grad, top = soft_ce_rows(logits, teacher, weight)
         if fault == "wrong CE":
             return ce + 0.01, grad, top
+        if fault == "wrong gradient in the last block":
+            grad = grad.clone()
+            grad[-1, 3] += 0.05 * grad.abs().max()
+            return ce, grad, top
         return ce, grad, (top + 1) % logits.shape[1]
 
     checked = CheckedSoftCE(candidate, soft_ce_rows, devices=("cpu",))
@@ -164,7 +171,8 @@ def test_a_faster_soft_ce_that_differs_or_fails_is_turned_off_with_a_warning_nam
     with pytest.warns(RuntimeWarning, match="compiled one trains instead") as caught:
         got = checked(*inputs)
     assert all(torch.equal(a, b) for a, b in zip(got, want))  # the reference's result, not the candidate's
-    expected = {"wrong CE": "CE differs", "wrong argmax": "argmax in 11 rows", "raises": "no kernel image"}[fault]
+    expected = {"wrong CE": "CE differs", "wrong argmax": "argmax in 11 rows", "raises": "no kernel image",
+                "wrong gradient in the last block": "the gradient by 0.05 of its largest value"}[fault]
     assert expected in str(caught[0].message)
     checked(*inputs)
     assert len(calls) == 1  # never again

@@ -827,6 +827,8 @@ class BatchWorker:
         self.decode_steps = 0
         self.decode_rows = 0
         self.decode_s = 0.0
+        self.decode_cpu_s = 0.0  # of decode_s, the model thread's own CPU time (the rest: the GPU or the GIL)
+        self.answer_s = 0.0  # of decode_s, answering the rows that finished
         self.prefill_s = 0.0
         self.idle_s = 0.0
         self._started_at = time.monotonic()
@@ -841,12 +843,17 @@ class BatchWorker:
         seconds spent decoding, prefilling and idle (no request at all); the rest is the thread's own
         bookkeeping between them."""
         wall = max(time.monotonic() - self._started_at, 1e-9)
+        decoder = getattr(self.runner, "slot_decoder", None)
         return {"decode_steps": self.decode_steps,
                 "mean_decode_batch": round(self.decode_rows / self.decode_steps, 1) if self.decode_steps else 0.0,
                 "prefills": self.batches,
                 "mean_prefill_batch": round(self.prefill_rows / self.batches, 1) if self.batches else 0.0,
                 # To the millisecond: rounded to tenths, three parts of a short run could add up past its wall time.
                 "decode_s": round(self.decode_s, 3), "prefill_s": round(self.prefill_s, 3),
+                # Of decode_s: the model thread on a CPU, waiting for replayed steps on the GPU, answering.
+                "decode_cpu_s": round(self.decode_cpu_s, 3),
+                "decode_gpu_wait_s": round(decoder.replay_wait_s, 3) if decoder is not None else None,
+                "answer_s": round(self.answer_s, 3),
                 "idle_s": round(self.idle_s, 3), "wall_s": round(wall, 3)}
 
     def describe_stats(self) -> str:
@@ -854,8 +861,9 @@ class BatchWorker:
         stats = self.stats()
         return (f"{stats['decode_steps']} decode step(s) of {stats['mean_decode_batch']} request(s) on average, "
                 f"{stats['prefills']} prefill(s) of {stats['mean_prefill_batch']}, "
-                f"{stats['decode_s']} s decoding, {stats['prefill_s']} s prefilling, {stats['idle_s']} s idle of "
-                f"{stats['wall_s']} s")
+                f"{stats['decode_s']} s decoding ({stats['decode_cpu_s']} s of it on a CPU, "
+                f"{stats['decode_gpu_wait_s']} s waiting for the GPU's replays, {stats['answer_s']} s answering), "
+                f"{stats['prefill_s']} s prefilling, {stats['idle_s']} s idle of {stats['wall_s']} s")
 
     def submit(self, job: GenerateJob) -> Future:
         """Queue a job; its future gets a ``GenerateOutcome`` or an exception."""
@@ -980,17 +988,21 @@ class BatchWorker:
                 self._queued_since = None
                 running = self._admit(running, self._waiting(self.max_batch_size - decoding))
             for batch in running:
-                stepped = time.monotonic()
+                stepped, cpu = time.monotonic(), time.thread_time()
                 self.decode_steps += 1
                 self.decode_rows += len(batch.rows)
                 try:
-                    self._finish(self.runner.step(batch))
+                    finished = self.runner.step(batch)
+                    answering = time.monotonic()
+                    self._finish(finished)
+                    self.answer_s += time.monotonic() - answering
                 except Exception as exc:  # noqa: BLE001 - the server stays up; these requests fail
                     LOG.exception("decode step of %d request(s) failed: %s", len(batch.rows), exc)
                     for row in batch.rows:
                         row.job.future.set_exception(exc)
                     self.runner.abandon(batch)
                 self.decode_s += time.monotonic() - stepped
+                self.decode_cpu_s += time.thread_time() - cpu
             running = [batch for batch in running if batch.rows]
 
     def stop(self, grace_s: float = 30.0) -> int:

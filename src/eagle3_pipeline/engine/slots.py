@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import time
 
 import torch
 import torch.nn.functional as F
@@ -179,6 +180,7 @@ class SlotDecoder:
         self._prefill_graphs: dict[tuple[int, int], tuple] = {}
         self.prefill_graphs_failure: str | None = None  # why prefill graphs went off while serving
         self._prefill_static: dict[str, torch.Tensor] | None = None
+        self.replay_wait_s = 0.0  # seconds the host waited for replayed decode steps to finish (``stats``)
 
     # -- slots -------------------------------------------------------------------------------
     @property
@@ -540,5 +542,7 @@ class SlotDecoder:
         # A copy: the graph's output buffer is the next replay's too (a caller may keep several steps).
         out = logits[:n].clone()
         # The staging buffer is reused by the next step: wait until this one's copies have left it.
+        waited = time.perf_counter()
         torch.cuda.current_stream().synchronize()
+        self.replay_wait_s += time.perf_counter() - waited
         return out
