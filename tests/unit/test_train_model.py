@@ -373,6 +373,22 @@ def test_teacher_masks_stop_at_a_packed_sample_boundary():
     assert teacher.valid(0)[0].tolist() == [True, True, False, False, False, False]
 
 
+def test_teacher_masks_are_made_once_a_batch_and_again_when_an_input_changes():
+    teacher, _ = hand_teacher()
+    teacher.loss_mask = torch.ones(1, 6, dtype=torch.bool)
+    first = [teacher.position_mask(k) for k in range(3)]
+    # Asked again (the loss, its counts and the metrics each ask): the same tensors, not made again.
+    assert all(teacher.position_mask(k) is first[k] for k in range(3))
+    assert teacher.valid(1) is teacher.valid(1)
+    fresh, _ = hand_teacher()
+    fresh.loss_mask = torch.ones(1, 6, dtype=torch.bool)
+    assert all(torch.equal(first[k], fresh.position_mask(k)) for k in range(3))
+    # A new sample boundary: made again from it, not the stale ones.
+    assert teacher.valid(0)[0].tolist() == [True, True, True, True, False, False]
+    teacher.doc_ids = torch.tensor([[0, 0, 0, 0, 1, 1]])
+    assert teacher.valid(0)[0].tolist() == [True, True, False, False, False, False]
+
+
 def one_hot_logits(draft_ids: list[int]) -> torch.Tensor:
     return torch.nn.functional.one_hot(torch.tensor(draft_ids), 3).float()[None] * 10
 

@@ -12,7 +12,7 @@ reported accept length adds the target's own token: 1 + this).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -37,6 +37,9 @@ class TeacherTargets:
     in_draft: torch.Tensor  # [B, T] bool, the target's top-1 over its full vocabulary is in the draft vocabulary
     loss_mask: torch.Tensor  # [B, T] bool, x_s is an assistant token
     doc_ids: torch.Tensor  # [B, T] int64, packed sample of each row
+    # Each step's masks, made once: the loss, its row counts and the metrics all ask for them (eagerly, a dozen
+    # small kernels each on the GPU, hundreds a training step when made again at every ask). Never changed in place.
+    _masks: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @cached_property
     def probs(self) -> torch.Tensor:
@@ -44,15 +47,34 @@ class TeacherTargets:
         instead, so that the [B, T, D] float32 tensor never exists)."""
         return torch.softmax(self.logits.float(), dim=-1)
 
+    def __setattr__(self, name: str, value) -> None:
+        masks = self.__dict__.get("_masks")
+        if masks and name != "_masks":
+            masks.clear()  # an input changed: the masks made from it are stale
+        super().__setattr__(name, value)
+
     def valid(self, step: int) -> torch.Tensor:
         """Rows t [B, T] bool whose step-k prediction x_{t+2+k} exists, is in t's sample and is loss-masked."""
-        same_doc = (shift_left(self.doc_ids, 2 + step, -1) == self.doc_ids) & (
-            shift_left(self.doc_ids, 1 + step, -1) == self.doc_ids)
-        return same_doc & shift_left(self.loss_mask, 2 + step, False)
+        key = ("valid", step)
+        if key not in self._masks:
+            same_doc = (shift_left(self.doc_ids, 2 + step, -1) == self.doc_ids) & (
+                shift_left(self.doc_ids, 1 + step, -1) == self.doc_ids)
+            self._masks[key] = same_doc & shift_left(self.loss_mask, 2 + step, False)
+        return self._masks[key]
 
     def position_mask(self, step: int) -> torch.Tensor:
         """Rows t [B, T] bool trained at step k: valid, and the target's top-1 at t+1+k is in the draft vocabulary."""
-        return self.valid(step) & shift_left(self.in_draft, 1 + step, False)
+        key = ("trained", step)
+        if key not in self._masks:
+            self._masks[key] = self.valid(step) & self.step_in_draft(step)
+        return self._masks[key]
+
+    def step_in_draft(self, step: int) -> torch.Tensor:
+        """Rows t [B, T] bool whose step-k target token (the target's top-1 at t+1+k) is in the draft vocabulary."""
+        key = ("in_draft", step)
+        if key not in self._masks:
+            self._masks[key] = shift_left(self.in_draft, 1 + step, False)
+        return self._masks[key]
 
     def step_probs(self, step: int) -> torch.Tensor:
         """The teacher rows of step k for drafter rows 0..T-2-k: a view [B, T-1-k, D] (no copy)."""
@@ -309,7 +331,7 @@ def ttt_metrics_from_argmax(step_argmax: Sequence[torch.Tensor], teacher: Teache
     chain = leads = None
     for step, top in enumerate(step_argmax):
         valid = teacher.valid(step)  # [B, T]
-        right = (top == teacher.step_argmax(step)) & shift_left(teacher.in_draft, 1 + step, False)
+        right = (top == teacher.step_argmax(step)) & teacher.step_in_draft(step)
         trained = teacher.position_mask(step)
         hits.append((right & trained).sum())
         rows.append(trained.sum())
