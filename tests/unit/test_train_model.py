@@ -376,10 +376,11 @@ def test_teacher_masks_stop_at_a_packed_sample_boundary():
 def test_teacher_masks_are_made_once_a_batch_and_again_when_an_input_changes():
     teacher, _ = hand_teacher()
     teacher.loss_mask = torch.ones(1, 6, dtype=torch.bool)
+    masks = teacher.step_masks(3)
     first = [teacher.position_mask(k) for k in range(3)]
-    # Asked again (the loss, its counts and the metrics each ask): the same tensors, not made again.
-    assert all(teacher.position_mask(k) is first[k] for k in range(3))
-    assert teacher.valid(1) is teacher.valid(1)
+    # Asked again, step by step or all at once (the loss, its counts and the metrics each ask): the same memory.
+    assert all(first[k].data_ptr() == masks.trained[k].data_ptr() for k in range(3))
+    assert teacher.step_masks(3).valid.data_ptr() == teacher.valid(0).data_ptr() == masks.valid.data_ptr()
     fresh, _ = hand_teacher()
     fresh.loss_mask = torch.ones(1, 6, dtype=torch.bool)
     assert all(torch.equal(first[k], fresh.position_mask(k)) for k in range(3))
@@ -387,6 +388,68 @@ def test_teacher_masks_are_made_once_a_batch_and_again_when_an_input_changes():
     assert teacher.valid(0)[0].tolist() == [True, True, True, True, False, False]
     teacher.doc_ids = torch.tensor([[0, 0, 0, 0, 1, 1]])
     assert teacher.valid(0)[0].tolist() == [True, True, False, False, False, False]
+
+
+def _masks_step_by_step(teacher, step: int):
+    """The definitions, one step at a time: (valid, in_draft, trained, argmax), [B, T] each."""
+    from eagle3_pipeline.train.kernels import shift_left  # noqa: PLC0415
+
+    doc, mask = teacher.doc_ids, teacher.loss_mask
+    valid = ((shift_left(doc, 2 + step, -1) == doc) & (shift_left(doc, 1 + step, -1) == doc)
+             & shift_left(mask, 2 + step, False))
+    in_draft = shift_left(teacher.in_draft, 1 + step, False)
+    return valid, in_draft, valid & in_draft, shift_left(teacher.argmax, 1 + step, -1)
+
+
+def _metrics_step_by_step(step_argmax, teacher):
+    hits, rows, chain_hits, chain_rows, chain, leads = [], [], [], [], None, 0
+    for step, top in enumerate(step_argmax):
+        valid, in_draft, trained, argmax = _masks_step_by_step(teacher, step)
+        right = (top == argmax) & in_draft
+        hits.append(int((right & trained).sum()))
+        rows.append(int(trained.sum()))
+        tried = valid if chain is None else chain & valid
+        chain = tried & right
+        leads = leads + chain.long()
+        chain_hits.append(int(chain.sum()))
+        chain_rows.append(int(tried.sum()))
+    return hits, rows, chain_hits, chain_rows, leads
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_all_steps_masks_and_metrics_made_at_once_equal_their_step_by_step_definitions(seed):
+    """Packed samples of random lengths (some shorter than the chain), random loss masks and draft-vocabulary misses,
+    drafts right often enough for long chains: every step's masks, the metrics and the row counts the same as the
+    definitions give one step at a time; also for more steps than tokens."""
+    from eagle3_pipeline.train.loss import TeacherTargets, ttt_metrics_from_argmax  # noqa: PLC0415
+    from eagle3_pipeline.train.step import step_counts  # noqa: PLC0415
+
+    generator = torch.Generator().manual_seed(seed)
+    length, draft = 40, 5
+    doc_ids = torch.repeat_interleave(torch.arange(5), torch.tensor([3, 12, 1, 17, 7]))[None]
+    teacher = TeacherTargets(logits=torch.randn(1, length, draft, generator=generator),
+                             argmax=torch.randint(0, draft, (1, length), generator=generator),
+                             in_draft=torch.rand(1, length, generator=generator) > 0.1,
+                             loss_mask=torch.rand(1, length, generator=generator) > 0.15, doc_ids=doc_ids)
+    for steps in (7, length + 3):
+        masks = teacher.step_masks(steps)
+        for step in range(steps):
+            want = _masks_step_by_step(teacher, step)
+            got = (masks.valid[step], masks.in_draft[step], masks.trained[step], masks.argmax[step])
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (steps, step)
+            assert torch.equal(teacher.position_mask(step), want[2]) and torch.equal(teacher.valid(step), want[0])
+        # The drafter's top-1: the teacher's at 90 % of the rows (so chains run on), a random draft id elsewhere.
+        tops = [torch.where(torch.rand(1, length, generator=generator) < 0.9, masks.argmax[k].clamp(min=0),
+                            torch.randint(0, draft, (1, length), generator=generator)) for k in range(steps)]
+        got = ttt_metrics_from_argmax(tops, teacher)
+        hits, rows, chain_hits, chain_rows, leads = _metrics_step_by_step(tops, teacher)
+        assert (got.hits.tolist(), got.rows.tolist()) == (hits, rows)
+        assert (got.chain_hits.tolist(), got.chain_rows.tolist()) == (chain_hits, chain_rows)
+        assert torch.equal(got.leads, leads) and got.leads.dtype == torch.int64
+        assert max(chain_hits[2:]) > 0  # chains longer than two steps were counted
+        # The rows each step trains, as the loss counts them (a step's rows past its last, T-2-k, never are).
+        assert step_counts(teacher, steps).tolist() == [
+            int(_masks_step_by_step(teacher, k)[2][:, :max(length - 1 - k, 0)].sum()) for k in range(steps)]
 
 
 def one_hot_logits(draft_ids: list[int]) -> torch.Tensor:

@@ -18,10 +18,29 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from eagle3_pipeline.train.kernels import FusedKernels, default_doc_ids, shift_left, soft_ce_rows
+from eagle3_pipeline.train.kernels import FusedKernels, default_doc_ids, soft_ce_rows
 
 TEACHER_CHUNK_BYTES = 128 << 20
 STEP_DECAY = 0.8
+MASK_STEPS = 8  # TeacherTargets.step_masks makes at least this many steps' masks (TTT lengths are 7 or so)
+
+
+@dataclass
+class StepMasks:
+    """Every TTT step's rows at once, [K, B, T] each: at step k, drafter row t predicts x_{t+2+k}."""
+
+    valid: torch.Tensor  # bool: x_{t+2+k} exists, is in t's sample and is loss-masked
+    in_draft: torch.Tensor  # bool: the target's top-1 at t+1+k (the step's target token) is in the draft vocabulary
+    trained: torch.Tensor  # bool: valid and in_draft, the rows the loss trains
+    argmax: torch.Tensor  # int64: the teacher's draft-vocabulary top-1 for row t at step k (-1 past the end)
+
+
+def shifts_left(x: torch.Tensor, first: int, count: int, fill: int | bool) -> torch.Tensor:
+    """``x`` [B, T] moved left by ``first``, ``first`` + 1, ... (``count`` of them): [count, B, T], row t of the i-th
+    the row t + first + i of ``x``, ``fill`` past the end; ``shift_left`` of each, in one copy (views of it)."""
+    batch, length = x.shape
+    padded = torch.cat([x, x.new_full((batch, first + count), fill)], dim=1)
+    return padded.unfold(1, length, 1)[:, first:first + count].transpose(0, 1)
 
 
 @dataclass
@@ -37,8 +56,8 @@ class TeacherTargets:
     in_draft: torch.Tensor  # [B, T] bool, the target's top-1 over its full vocabulary is in the draft vocabulary
     loss_mask: torch.Tensor  # [B, T] bool, x_s is an assistant token
     doc_ids: torch.Tensor  # [B, T] int64, packed sample of each row
-    # Each step's masks, made once: the loss, its row counts and the metrics all ask for them (eagerly, a dozen
-    # small kernels each on the GPU, hundreds a training step when made again at every ask). Never changed in place.
+    # The steps' masks (``step_masks``), made once for all steps: the loss, its row counts and the metrics all ask for
+    # them; made step by step at every ask they were hundreds of small kernels a training step. Never changed in place.
     _masks: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @cached_property
@@ -53,28 +72,30 @@ class TeacherTargets:
             masks.clear()  # an input changed: the masks made from it are stale
         super().__setattr__(name, value)
 
+    def step_masks(self, steps: int) -> StepMasks:
+        """The masks of steps 0..``steps``-1, [steps, B, T] each, made in a few batched operations (once a batch)."""
+        have = self._masks.get("steps")
+        if have is None or have.valid.shape[0] < steps:
+            made = max(steps, MASK_STEPS)  # a caller asking step by step gets them from one making
+            docs = shifts_left(self.doc_ids, 1, made + 1, -1)  # [K + 1, B, T]: moved by 1..K+1
+            same = docs == self.doc_ids
+            # Step k: x_{t+1+k} and x_{t+2+k} both in t's sample, x_{t+2+k} loss-masked.
+            valid = same[1:] & same[:-1] & shifts_left(self.loss_mask, 2, made, False)
+            in_draft = shifts_left(self.in_draft, 1, made, False)
+            have = StepMasks(valid=valid, in_draft=in_draft, trained=valid & in_draft,
+                             argmax=shifts_left(self.argmax, 1, made, -1))
+            self._masks["steps"] = have
+        if have.valid.shape[0] == steps:
+            return have
+        return StepMasks(*(getattr(have, name)[:steps] for name in ("valid", "in_draft", "trained", "argmax")))
+
     def valid(self, step: int) -> torch.Tensor:
         """Rows t [B, T] bool whose step-k prediction x_{t+2+k} exists, is in t's sample and is loss-masked."""
-        key = ("valid", step)
-        if key not in self._masks:
-            same_doc = (shift_left(self.doc_ids, 2 + step, -1) == self.doc_ids) & (
-                shift_left(self.doc_ids, 1 + step, -1) == self.doc_ids)
-            self._masks[key] = same_doc & shift_left(self.loss_mask, 2 + step, False)
-        return self._masks[key]
+        return self.step_masks(step + 1).valid[step]
 
     def position_mask(self, step: int) -> torch.Tensor:
         """Rows t [B, T] bool trained at step k: valid, and the target's top-1 at t+1+k is in the draft vocabulary."""
-        key = ("trained", step)
-        if key not in self._masks:
-            self._masks[key] = self.valid(step) & self.step_in_draft(step)
-        return self._masks[key]
-
-    def step_in_draft(self, step: int) -> torch.Tensor:
-        """Rows t [B, T] bool whose step-k target token (the target's top-1 at t+1+k) is in the draft vocabulary."""
-        key = ("in_draft", step)
-        if key not in self._masks:
-            self._masks[key] = shift_left(self.in_draft, 1 + step, False)
-        return self._masks[key]
+        return self.step_masks(step + 1).trained[step]
 
     def step_probs(self, step: int) -> torch.Tensor:
         """The teacher rows of step k for drafter rows 0..T-2-k: a view [B, T-1-k, D] (no copy)."""
@@ -82,7 +103,7 @@ class TeacherTargets:
 
     def step_argmax(self, step: int) -> torch.Tensor:
         """The teacher's draft-vocabulary top-1 for drafter rows t at step k, [B, T] (-1 past the end)."""
-        return shift_left(self.argmax, 1 + step, -1)
+        return self.step_masks(step + 1).argmax[step]
 
 
 @torch.no_grad()
@@ -158,12 +179,13 @@ def ttt_loss(
     """
     total = step_logits[0].new_zeros((), dtype=torch.float32)
     losses, counts = [], []
+    trained = teacher.step_masks(len(step_logits)).trained
     for step, logits in enumerate(step_logits):
         if logits.shape != teacher.logits.shape:
             raise ValueError(f"step {step}: logits {tuple(logits.shape)} and teacher {tuple(teacher.logits.shape)} "
                              "must both be [B, T, draft_vocab_size]")
         rows = max(logits.shape[1] - 1 - step, 0)
-        mask = teacher.position_mask(step)[:, :rows]  # [B, rows]
+        mask = trained[step][:, :rows]  # [B, rows]
         log_p = torch.log_softmax(logits[:, :rows].float(), dim=-1)  # [B, rows, D]
         ce = -(teacher.step_probs(step)[:, :rows] * log_p).sum(-1)  # [B, rows]
         summed = (ce * mask).sum()
@@ -260,11 +282,11 @@ def fused_ttt_loss(
     rows = batch * length
     if teacher.logits.shape[:2] != (batch, length):
         raise ValueError(f"hidden states [{batch}, {length}, H] and teacher {tuple(teacher.logits.shape)} differ")
-    masks = [teacher.position_mask(step) for step in range(len(step_hidden))]  # [B, T] each
-    counts = torch.stack([mask.sum() for mask in masks])
+    trained = teacher.step_masks(len(step_hidden)).trained  # [K, B, T]
+    counts = trained.sum((1, 2))
     dtype = torch.promote_types(step_hidden[0].dtype, torch.float32)
     divide = (denominators if denominators is not None else counts).to(dtype).clamp(min=1)
-    row_weights = torch.stack([mask.reshape(rows).to(dtype) / divide[k] for k, mask in enumerate(masks)])  # [K, N]
+    row_weights = trained.reshape(len(step_hidden), rows).to(dtype) / divide[:, None]  # [K, N]
     if chunk_rows is None:
         chunk_rows = rows if kernels is not None and kernels.compiled else 256
     need_grad = torch.is_grad_enabled() and (lm_head_weight.requires_grad or any(h.requires_grad for h in step_hidden))
@@ -326,19 +348,15 @@ def ttt_metrics(step_logits: Sequence[torch.Tensor], teacher: TeacherTargets) ->
 
 @torch.no_grad()
 def ttt_metrics_from_argmax(step_argmax: Sequence[torch.Tensor], teacher: TeacherTargets) -> TTTMetrics:
-    """``ttt_metrics`` from the drafter's top-1 draft id [B, T] of each step (``fused_ttt_loss`` gives them)."""
-    hits, rows, chain_hits, chain_rows = [], [], [], []
-    chain = leads = None
-    for step, top in enumerate(step_argmax):
-        valid = teacher.valid(step)  # [B, T]
-        right = (top == teacher.step_argmax(step)) & teacher.step_in_draft(step)
-        trained = teacher.position_mask(step)
-        hits.append((right & trained).sum())
-        rows.append(trained.sum())
-        tried = valid if chain is None else chain & valid
-        chain = tried & right
-        leads = chain.long() if leads is None else leads + chain
-        chain_hits.append(chain.sum())
-        chain_rows.append(tried.sum())
-    return TTTMetrics(hits=torch.stack(hits), rows=torch.stack(rows), chain_hits=torch.stack(chain_hits),
-                      chain_rows=torch.stack(chain_rows), leads=leads)
+    """``ttt_metrics`` from the drafter's top-1 draft id [B, T] of each step (``fused_ttt_loss`` gives them), all
+    steps at once."""
+    top = torch.stack(list(step_argmax))  # [K, B, T]
+    masks = teacher.step_masks(top.shape[0])
+    right = (top == masks.argmax) & masks.in_draft
+    # A chain is right at step k where it was valid and right at every step 0..k; step k is tried where the chain was
+    # right at steps 0..k-1 and k is valid.
+    chain = (~(masks.valid & right)).cumsum(0) == 0
+    tried = masks.valid.clone()
+    tried[1:] &= chain[:-1]
+    return TTTMetrics(hits=(right & masks.trained).sum((1, 2)), rows=masks.trained.sum((1, 2)),
+                      chain_hits=chain.sum((1, 2)), chain_rows=tried.sum((1, 2)), leads=chain.sum(0))

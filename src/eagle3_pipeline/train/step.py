@@ -92,8 +92,7 @@ def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
 
 def step_counts(teacher: TeacherTargets, steps: int) -> torch.Tensor:
     """Masked rows per TTT step [K], as ``ttt_loss`` counts them."""
-    length = teacher.logits.shape[1]
-    return torch.stack([teacher.position_mask(k)[:, :max(length - 1 - k, 0)].sum() for k in range(steps)])
+    return teacher.step_masks(steps).trained.sum((1, 2))  # rows past step k's last (T-2-k) are never trained
 
 
 def wrap(model: Eagle3Drafter, device: torch.device, parallel: str) -> nn.Module:
