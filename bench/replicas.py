@@ -121,8 +121,10 @@ def layout_plan(args, purpose: str, gpus: int, per: int, port: int, capture_dir:
     extra = ["--replicas-per-device", str(per)] if gpus * per > 1 else []
     if purpose == "serve":
         extra = ["--max-batch-size", str(max(1, args.batch // per)), *args.serve_arg] + extra
+    # As the regeneration role plans its serving server: slots sized to the longest request.
     return server_plan("reference", sys.executable, str(args.model_path), "127.0.0.1", port, str(capture_dir),
-                       device=args.device, extra_args=extra, purpose=purpose, dp_size=gpus * per)
+                       device=args.device, extra_args=extra, purpose=purpose, dp_size=gpus * per,
+                       request_tokens=args.max_length + args.max_new_tokens if purpose == "serve" else 0)
 
 
 def weighted_mean(workers: list[dict], mean: str, count: str) -> float:
@@ -157,6 +159,7 @@ def regenerate(args, name: str, gpus: int, per: int) -> dict:
             "conversations": summary["num_conversations"], "output": out, "workers": workers,
             "mean_decode_batch": weighted_mean(workers, "mean_decode_batch", "decode_steps"),
             "prefills": sum(w["prefills"] for w in workers),
+            "slot_waits": sum(w.get("slot_waits", 0) for w in workers),
             "mean_prefill_batch": weighted_mean(workers, "mean_prefill_batch", "prefills"),
             "decode_share": sum(w["decode_s"] / w["wall_s"] for w in workers) / len(workers),
             "prefill_share": sum(w["prefill_s"] / w["wall_s"] for w in workers) / len(workers),
@@ -221,7 +224,8 @@ def describe_regeneration(name: str, regen: dict) -> str:
     """One line: the layout's regeneration and where its processes' time went."""
     return (f"{name} regenerate: {regen['tokens']:,} tokens in {regen['seconds']:.1f} s, "
             f"{regen['tokens_per_s']:,.0f} tokens/s; a decode step carried {regen['mean_decode_batch']:.0f} requests "
-            f"on average, a prefill {regen['mean_prefill_batch']:.1f} ({regen['prefills']:,} prefills); each process "
+            f"on average, a prefill {regen['mean_prefill_batch']:.1f} ({regen['prefills']:,} prefills; "
+            f"{regen['slot_waits']:,} requests waited for a free slot); each process "
             f"decoding {regen['decode_share']:.0%} and prefilling {regen['prefill_share']:.0%} of the time; a decode "
             f"step {ms(regen['decode_step_ms'])} ms ({ms(regen['decode_cpu_ms'])} on the model thread's CPU, "
             f"{ms(regen['decode_gpu_wait_ms'])} waiting for the GPU, {ms(regen['answer_ms'])} answering); CPU "

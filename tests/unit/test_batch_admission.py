@@ -57,3 +57,34 @@ def test_no_request_waits_longer_than_admit_wait_ms():
     assert not worker._admit_now(32)
     time.sleep(0.05)
     assert worker._admit_now(32)
+
+
+class FreeSlots:
+    """The one thing the admission rule asks the model runner: how many slots are free now."""
+
+    def __init__(self, free: int) -> None:
+        self.free = free
+
+    def free_slots(self) -> int:
+        return self.free
+
+
+def test_requests_waiting_for_a_slot_gather_while_slots_free_up_instead_of_one_prefill_per_freed_slot():
+    runner = FreeSlots(0)
+    worker = BatchWorker(runner=runner, max_batch_size=512, admit_wait_ms=60_000)
+    worker._prefill_estimate_s = 0.02  # 440 rows decoding: a prefill costs 440 x 0.02 = 8.8 row-seconds
+    worker._held.extend(GenerateJob(rid=f"h{i}", input_ids=[1, 2], sampling=SamplingConfig(max_new_tokens=4))
+                        for i in range(60))
+    assert not worker._admit_now(440)  # every slot taken: nothing can join, however long the queue
+    runner.free = 2
+    # 60 waiting and room for 72 in the batch, but 2 free slots: not "the queue fills the batch" at once.
+    assert not worker._admit_now(440)
+    worker._queued_since = time.monotonic() - 1.0
+    assert not worker._admit_now(440)  # 2 x 1.0 = 2 < 8.8: wait while more slots free up
+    runner.free = 10
+    assert worker._admit_now(440)  # 10 x 1.0 = 10 >= 8.8
+    # Without requests waiting for a slot, the batch size is the room again, and a queue that fills it goes at once.
+    worker._held.clear()
+    worker._queued_since = None
+    queued(worker, 72)
+    assert worker._admit_now(440)

@@ -49,6 +49,7 @@ def test_one_process_against_two_replicas_side_by_side(tiny_model_dir, tmp_path)
         assert 0 < regen["decode_cpu_ms"] <= regen["decode_step_ms"] + 0.01, regen
         assert 0 <= regen["answer_ms"] <= regen["decode_step_ms"] + 0.01, regen
         assert regen["decode_gpu_wait_ms"] in (None, 0.0), regen
+        assert regen["slot_waits"] >= 0 and "waited for a free slot" in done.stdout
         assert len(row["regenerate"]["workers"]) == row["gpus"] * row["replicas_per_gpu"]
         # Every regenerated conversation extracted: the same stored tokens whichever server answered.
         assert row["extract"]["samples"] == 12 and row["extract"]["tokens"] == rows[0]["extract"]["tokens"]

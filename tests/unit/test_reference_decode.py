@@ -253,24 +253,42 @@ def test_rows_that_join_a_slotted_decode_in_freed_slots_equal_full_forward_greed
     assert slotted.slot_decoder.free_slots == 4
 
 
-def test_requests_beyond_the_free_slots_or_needing_logprobs_decode_on_the_transformers_path(slotted, prompts):
+def test_requests_beyond_the_free_slots_wait_for_one_and_only_those_a_slot_cannot_take_decode_on_transformers(
+        slotted, prompts):
+    """Six requests for four slots: two wait until slots free up, then decode over slots too (the transformers path
+    decodes many times slower, and slowed every step that ran both). Only the request asking for logprobs and the one
+    longer than a slot take the transformers path. Every answer is the full forwards' greedy one; every slot comes
+    back."""
+    jobs = [greedy_job(ids, 12) for ids in prompts]  # 6 requests, 4 slots
+    jobs.append(greedy_job(prompts[0], 5, return_logprob=True))
+    jobs.append(greedy_job(prompts[1], 300))  # longer than a slot's 256 tokens
+    batches, waiting = slotted.groups(jobs)
+    assert [len(group) for group in batches] == [4, 2] and waiting == jobs[4:6]
+    assert all(slotted.slot_ready(job) for job in batches[0]) and batches[1] == jobs[-2:]
+    prefilled = []  # the transformers path's prefills, as the worker calls them
+    real_prefill = slotted.prefill
+
+    def spy(batch_jobs):
+        prefilled.extend(job.input_ids for job in batch_jobs)
+        return real_prefill(batch_jobs)
+
+    slotted.prefill = spy
     worker = BatchWorker(slotted, max_batch_size=8).start()
     try:
-        jobs = [greedy_job(ids, 12) for ids in prompts]  # 6 requests, 4 slots
-        jobs.append(greedy_job(prompts[0], 5, return_logprob=True))
-        jobs.append(greedy_job(prompts[1], 300))  # longer than a slot's 256 tokens
-        groups = slotted.groups(jobs)
-        assert [len(group) for group in groups] == [4, 4]
-        assert all(slotted.slot_ready(job) for job in groups[0]) and not any(map(slotted.slot_ready, jobs[-2:]))
         futures = [worker.submit(job) for job in jobs]
         outcomes = [future.result(timeout=300) for future in futures]
     finally:
         worker.stop()
+        del slotted.prefill
     for job, outcome in zip(jobs, outcomes):
         want, margins = full_forward_greedy(slotted, job.input_ids, job.sampling.max_new_tokens)
         assert_same_greedy(outcome.output_ids, want, margins, f"prompt of {len(job.input_ids)} tokens")
     logprobs = outcomes[-2].output_token_logprobs
     assert logprobs and len(logprobs) == len(outcomes[-2].output_ids)
+    assert sorted(prefilled) == sorted(job.input_ids for job in jobs[-2:])  # no slot-ready request among them
+    stats = worker.stats()
+    assert stats["slot_waits"] >= 2 and stats["waiting_for_slot"] == 0, stats
+    assert sum(job.waited_for_slot for job in jobs[:6]) == stats["slot_waits"]
     assert slotted.slot_decoder.free_slots == 4
 
 

@@ -50,6 +50,34 @@ def test_reference_plan_has_the_capture_settings_and_probe(model_dir, tmp_path):
         assert replicas["expected_server_info"]["dp_size"] == 4
 
 
+def test_a_serving_reference_servers_slots_are_sized_to_the_longest_request(model_dir):
+    """The regeneration's requests hold at most its max length + max new tokens: the slots take that many tokens (not
+    the engine's 4,096), so the same memory holds more of them; an operator's own --slot-tokens, given after, wins; a
+    capture server has no slots, and SGLang no such flag."""
+    import argparse  # noqa: PLC0415
+
+    from eagle3_pipeline.engine.reference_server import configure_parser  # noqa: PLC0415
+
+    def served(argv):
+        parser = argparse.ArgumentParser()
+        configure_parser(parser)
+        return parser.parse_args(argv[argv.index("serve-reference") + 1:])
+
+    plan = server_plan("reference", "py", str(model_dir), "127.0.0.1", 30100, "", purpose="serve", request_tokens=2560)
+    assert served(plan["argv"]).slot_tokens == 2560
+    own = server_plan("reference", "py", str(model_dir), "127.0.0.1", 30100, "", purpose="serve", request_tokens=2560,
+                      extra_args=["--slot-tokens", "8192"])
+    assert served(own["argv"]).slot_tokens == 8192
+    assert served(server_plan("reference", "py", str(model_dir), "127.0.0.1", 30100, "", purpose="serve")["argv"]
+                  ).slot_tokens == 4096  # not known: the engine's default
+    assert "--slot-tokens" not in server_plan("reference", "py", str(model_dir), "127.0.0.1", 30080, "c",
+                                              request_tokens=2560)["argv"]
+    assert "--slot-tokens" not in server_plan("sglang", "py", str(model_dir), "127.0.0.1", 30100, "", purpose="serve",
+                                              request_tokens=2560)["argv"]
+    with pytest.raises(PlanError, match="request tokens: -1"):
+        server_plan("reference", "py", str(model_dir), "127.0.0.1", 30100, "", purpose="serve", request_tokens=-1)
+
+
 def test_sglang_plan_keeps_the_key_out_of_argv_and_refuses_unsafe_extras(model_dir):
     plan = server_plan("sglang", "py", str(model_dir), "127.0.0.1", 30000, "/dev/shm/c", api_key_file="/s/k.yaml")
     assert plan["argv"][1:3] == ["-m", "sglang.launch_server"]
@@ -110,6 +138,10 @@ def test_command_line_prints_json_or_the_error(model_dir):
     done = subprocess.run(base, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["aux_layers"] == [1, 3, 4]
+    serving = subprocess.run([*base, "--purpose", "serve", "--request-tokens", "1280"], capture_output=True, text=True,
+                             check=False)
+    argv = json.loads(serving.stdout)["argv"]
+    assert argv[argv.index("--slot-tokens") + 1] == "1280"
     bad = subprocess.run([*base, "--aux-layers", "1,99"], capture_output=True, text=True, check=False)
     assert bad.returncode == 2
     assert bad.stderr.startswith("error: sglang_server_aux_layers: aux layer 99")

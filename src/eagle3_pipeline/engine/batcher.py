@@ -37,6 +37,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -100,6 +101,7 @@ class GenerateJob:
     top_logprobs_num: int = 0
     capture: bool = True  # False for health checks
     future: Future = field(default_factory=Future)
+    waited_for_slot: bool = False  # it could decode in a slot but found none free, and waited for one
 
 
 @dataclass
@@ -530,13 +532,22 @@ class ModelRunner:
                 and not job.return_logprob and job.sampling.max_new_tokens > 0
                 and len(job.input_ids) + job.sampling.max_new_tokens <= decoder.slot_tokens)
 
-    def groups(self, jobs: list[GenerateJob]) -> list[list[GenerateJob]]:
-        """``jobs`` split into the batches ``start`` takes: those for free slots, and the others."""
-        free = self.slot_decoder.free_slots if self.slot_decoder is not None else 0
-        slotted, others = [], []
+    def groups(self, jobs: list[GenerateJob]) -> tuple[list[list[GenerateJob]], list[GenerateJob]]:
+        """``jobs`` split into (the batches ``start`` takes now: those for free slots, and those the slot cache cannot
+        take; the jobs that could decode in a slot but find none free). Those wait for a slot: on the transformers
+        path they would decode many times slower, and slow every step of the loop that runs both."""
+        free = self.free_slots()
+        slotted, others, waiting = [], [], []
         for job in jobs:
-            (slotted if len(slotted) < free and self.slot_ready(job) else others).append(job)
-        return [group for group in (slotted, others) if group]
+            if not self.slot_ready(job):
+                others.append(job)
+            else:
+                (slotted if len(slotted) < free else waiting).append(job)
+        return [group for group in (slotted, others) if group], waiting
+
+    def free_slots(self) -> int:
+        """Slots free now (0 without a slot cache)."""
+        return self.slot_decoder.free_slots if self.slot_decoder is not None else 0
 
     def start(self, jobs: list[GenerateJob]) -> tuple[DecodeBatch, list[DecodeRow]]:
         """Prefill ``jobs`` as one batch (captures written off this thread), choose each one's first
@@ -813,6 +824,9 @@ class BatchWorker:
         self.batch_wait_s = max(0.0, float(batch_wait_ms)) / 1000.0
         self.admit_wait_s = max(0.0, float(admit_wait_ms)) / 1000.0
         self._queue: queue.Queue[GenerateJob] = queue.Queue()
+        # Requests that could decode in a slot but found none free, in arrival order: admitted first once slots free.
+        self._held: deque[GenerateJob] = deque()
+        self.slot_waits = 0  # requests that waited for a free slot
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="model-worker", daemon=True)
         self._last_batch_size = 0
@@ -847,6 +861,7 @@ class BatchWorker:
         return {"decode_steps": self.decode_steps,
                 "mean_decode_batch": round(self.decode_rows / self.decode_steps, 1) if self.decode_steps else 0.0,
                 "prefills": self.batches,
+                "slot_waits": self.slot_waits, "waiting_for_slot": len(self._held),
                 "mean_prefill_batch": round(self.prefill_rows / self.batches, 1) if self.batches else 0.0,
                 # To the millisecond: rounded to tenths, three parts of a short run could add up past its wall time.
                 "decode_s": round(self.decode_s, 3), "prefill_s": round(self.prefill_s, 3),
@@ -861,6 +876,7 @@ class BatchWorker:
         stats = self.stats()
         return (f"{stats['decode_steps']} decode step(s) of {stats['mean_decode_batch']} request(s) on average, "
                 f"{stats['prefills']} prefill(s) of {stats['mean_prefill_batch']}, "
+                f"{stats['slot_waits']} request(s) waited for a free slot, "
                 f"{stats['decode_s']} s decoding ({stats['decode_cpu_s']} s of it on a CPU, "
                 f"{stats['decode_gpu_wait_s']} s waiting for the GPU's replays, {stats['answer_s']} s answering), "
                 f"{stats['prefill_s']} s prefilling, {stats['idle_s']} s idle of {stats['wall_s']} s")
@@ -873,6 +889,8 @@ class BatchWorker:
         return job.future
 
     def _next_batch(self) -> list[GenerateJob] | None:
+        if self._held:  # nothing decodes: every slot is free for them
+            return self._waiting(self.max_batch_size)
         try:
             batch = [self._queue.get(timeout=0.1)]
         except queue.Empty:
@@ -898,8 +916,11 @@ class BatchWorker:
         return batch
 
     def _waiting(self, room: int) -> list[GenerateJob]:
-        """Up to ``room`` jobs queued now (no waiting: the running batch must not stall)."""
+        """Up to ``room`` jobs queued now, those waiting for a slot first (no waiting: the running batch must not
+        stall)."""
         jobs: list[GenerateJob] = []
+        while self._held and len(jobs) < room:
+            jobs.append(self._held.popleft())
         while len(jobs) < room:
             try:
                 jobs.append(self._queue.get_nowait())
@@ -939,7 +960,17 @@ class BatchWorker:
     def _admit(self, running: list[DecodeBatch], jobs: list[GenerateJob]) -> list[DecodeBatch]:
         """Prefill ``jobs`` (the slot cache's and the others apart) and add their rows to a running
         batch of their kind, or as a batch of their own."""
-        for group in self.runner.groups(jobs):
+        batches, waiting = self.runner.groups(jobs)
+        if waiting and not batches and not running:  # no slot free with nothing decoding: none ever would be
+            LOG.warning("%d request(s) fit a slot, none is free and nothing decodes: the transformers path takes them",
+                        len(waiting))
+            batches, waiting = [waiting], []
+        for job in waiting:
+            if not job.waited_for_slot:
+                job.waited_for_slot = True
+                self.slot_waits += 1
+        self._held.extendleft(reversed(waiting))  # at the front again, in their order
+        for group in batches:
             joining = self._start(group)
             if joining is None or not joining.rows:
                 continue
@@ -958,9 +989,14 @@ class BatchWorker:
         long as they wait. So the queue is admitted once its waiting has cost as much as the pause will,
         once it would fill the batch, or once its first request has waited ``admit_wait_ms``. A lone
         request in an idle batch goes at once; behind a large batch, requests gather into fewer, larger
-        prefills (one a decode step would halve a small model's decode rate)."""
-        queued = self._queue.qsize()
+        prefills (one a decode step would halve a small model's decode rate). While requests wait for a slot
+        (the slot cache, not the batch size, is full), the room is the free slots, and only the balance and
+        ``admit_wait_ms`` admit: more slots free up while the queue waits, so waiting gathers a larger prefill."""
+        queued = self._queue.qsize() + len(self._held)
         room = self.max_batch_size - decoding
+        slot_bound = bool(self._held)
+        if slot_bound:
+            room = min(room, self.runner.free_slots())
         if not queued or room <= 0:
             self._queued_since = None
             return False
@@ -968,7 +1004,7 @@ class BatchWorker:
         if self._queued_since is None:
             self._queued_since = now
         waited = now - self._queued_since
-        return (queued >= room or waited >= self.admit_wait_s
+        return ((queued >= room and not slot_bound) or waited >= self.admit_wait_s
                 or min(queued, room) * waited >= decoding * self._prefill_estimate_s)
 
     def _loop(self) -> None:
@@ -1013,7 +1049,7 @@ class BatchWorker:
         failed = 0
         while True:
             try:
-                job = self._queue.get_nowait()
+                job = self._held.popleft() if self._held else self._queue.get_nowait()
             except queue.Empty:
                 break
             job.future.set_exception(ServiceUnavailable("the server shut down before running this request"))

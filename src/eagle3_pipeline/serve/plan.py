@@ -53,9 +53,11 @@ def read_model_config(model_path: str) -> dict:
 
 def reference_argv(python: str, model_path: str, host: str, port: int, aux_layers: list[int], capture_dir: str,
                    device: str, api_key: bool, extra_args: list[str], purpose: str = "capture",
-                   dp_size: int = 1) -> list[str]:
+                   dp_size: int = 1, request_tokens: int = 0) -> list[str]:
     """The reference engine's command line; for serving, without a capture directory and with a
-    large batch (an extra ``--max-batch-size`` given after it wins); ``dp_size`` replicas, one per GPU."""
+    large batch (an extra ``--max-batch-size`` given after it wins), its KV slots sized to ``request_tokens``
+    (the most a request holds, prompt and new tokens; 0: the engine's default; an extra ``--slot-tokens`` wins);
+    ``dp_size`` replicas, one per GPU."""
     for arg in extra_args:
         flag = arg.split("=", 1)[0]
         if flag in REFERENCE_OWN_FLAGS:
@@ -70,6 +72,10 @@ def reference_argv(python: str, model_path: str, host: str, port: int, aux_layer
                  "transformers"]
     else:
         argv += ["--max-batch-size", str(SERVE_MAX_BATCH_SIZE)]
+        if request_tokens > 0:
+            # Slots no larger than a request needs: the same memory holds more of them (a request that finds no free
+            # slot waits for one).
+            argv += ["--slot-tokens", str(request_tokens)]
     argv += ["--device", device]
     if dp_size > 1:
         argv += ["--dp-size", str(dp_size)]
@@ -81,10 +87,11 @@ def reference_argv(python: str, model_path: str, host: str, port: int, aux_layer
 def server_plan(engine: str, python: str, model_path: str, host: str, port: int, capture_dir: str,
                 aux_layers: list[int] | None = None, tp_size: int = 1, device: str = "auto",
                 api_key_file: str | None = None, extra_args: list[str] | None = None,
-                purpose: str = "capture", dp_size: int = 1) -> dict:
+                purpose: str = "capture", dp_size: int = 1, request_tokens: int = 0) -> dict:
     """Build the plan (a JSON-ready dict) or raise PlanError.
 
     ``purpose`` "capture" (the extraction's server) or "serve" (answers only: see the module docstring).
+    ``request_tokens``: the most tokens one request to a serving server holds (prompt and new tokens; 0 not known).
 
     ``api_key_file`` is where the role will write the API key (never argv): for the reference
     engine an env file handed to the supervisor, for SGLang (which reads no key from the
@@ -97,6 +104,8 @@ def server_plan(engine: str, python: str, model_path: str, host: str, port: int,
         raise PlanError(f"sglang_server_purpose: {purpose!r} is not one of {', '.join(PURPOSES)}")
     if not 1 <= port <= 65535:
         raise PlanError(f"sglang_server_port: {port} is not a TCP port")
+    if isinstance(request_tokens, bool) or not isinstance(request_tokens, int) or request_tokens < 0:
+        raise PlanError(f"request tokens: {request_tokens!r} is not a token count (0: not known)")
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
         raise PlanError(f"sglang_server_dp_size: {dp_size!r} is not a replica count (1 or more)")
     extra_args = [str(a) for a in (extra_args or [])]
@@ -111,7 +120,7 @@ def server_plan(engine: str, python: str, model_path: str, host: str, port: int,
         if tp_size != 1:
             raise PlanError("sglang_server_tp_size: the reference engine runs on one device; set it to 1")
         argv = reference_argv(python, model_path, host, port, aux, capture_dir, device, api_key, extra_args, purpose,
-                              dp_size)
+                              dp_size, request_tokens)
         if purpose == "capture":
             expected = {
                 "engine": "reference",
@@ -219,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--api-key-file", default="", help="where the role writes the API key; empty: no key")
     parser.add_argument("--extra-args-json", default="[]", help="JSON list of extra arguments")
+    parser.add_argument("--request-tokens", type=int, default=0,
+                        help="the most tokens one request to a serving server holds, prompt and new tokens (the "
+                        "regeneration's max length + max new tokens); the reference engine's slots are sized to it")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (the only output format)")
     args = parser.parse_args(argv)
     try:
@@ -230,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             raise PlanError("sglang_server_capture_dir: a capture server needs a capture directory")
         plan = server_plan(args.engine, args.python, args.model_path, args.host, args.port, args.capture_dir,
                            aux, args.tp_size, args.device, args.api_key_file or None, extra, args.purpose,
-                           args.dp_size)
+                           args.dp_size, args.request_tokens)
     except (PlanError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
