@@ -58,7 +58,7 @@ class TeacherTargets:
     doc_ids: torch.Tensor  # [B, T] int64, packed sample of each row
     # The steps' masks (``step_masks``), made once for all steps: the loss, its row counts and the metrics all ask for
     # them; made step by step at every ask they were hundreds of small kernels a training step. Never changed in place.
-    _masks: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _step_masks: StepMasks | None = field(default=None, init=False, repr=False, compare=False)
 
     @cached_property
     def probs(self) -> torch.Tensor:
@@ -67,14 +67,13 @@ class TeacherTargets:
         return torch.softmax(self.logits.float(), dim=-1)
 
     def __setattr__(self, name: str, value) -> None:
-        masks = self.__dict__.get("_masks")
-        if masks and name != "_masks":
-            masks.clear()  # an input changed: the masks made from it are stale
+        if name != "_step_masks":
+            self.__dict__["_step_masks"] = None  # an input changed: the masks made from it are stale
         super().__setattr__(name, value)
 
     def step_masks(self, steps: int) -> StepMasks:
         """The masks of steps 0..``steps``-1, [steps, B, T] each, made in a few batched operations (once a batch)."""
-        have = self._masks.get("steps")
+        have = self._step_masks
         if have is None or have.valid.shape[0] < steps:
             made = max(steps, MASK_STEPS)  # a caller asking step by step gets them from one making
             docs = shifts_left(self.doc_ids, 1, made + 1, -1)  # [K + 1, B, T]: moved by 1..K+1
@@ -84,7 +83,7 @@ class TeacherTargets:
             in_draft = shifts_left(self.in_draft, 1, made, False)
             have = StepMasks(valid=valid, in_draft=in_draft, trained=valid & in_draft,
                              argmax=shifts_left(self.argmax, 1, made, -1))
-            self._masks["steps"] = have
+            self._step_masks = have
         if have.valid.shape[0] == steps:
             return have
         return StepMasks(*(getattr(have, name)[:steps] for name in ("valid", "in_draft", "trained", "argmax")))
