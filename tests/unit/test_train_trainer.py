@@ -176,6 +176,25 @@ def test_the_drafter_starts_from_the_targets_lm_head_and_final_norm(data_dir, ta
         config(data_dir, tmp_path, teacher_temperature=0)
 
 
+def test_the_step_decay_weighs_each_ttt_step_of_the_loss(data_dir, tmp_path):
+    def records(out, **overrides):
+        tr.train(config(data_dir, out, max_steps=2, eval_ratio=0.25, **overrides))
+        lines = [json.loads(line) for line in (out / tr.METRICS_FILE).read_text().splitlines()]
+        return [r for r in lines if r["kind"] in ("train", "eval")], json.loads((out / tr.TRAINING_FILE).read_text())
+
+    def weighted(record, decay):
+        return sum(decay**k * part for k, part in enumerate(record["loss_k"]))
+
+    for decay, out in ((0.5, tmp_path / "half"), (0.8, tmp_path / "default")):
+        lines, training = records(out, **({"step_decay": decay} if decay != 0.8 else {}))
+        assert {r["kind"] for r in lines} == {"train", "eval"} and training["config"]["step_decay"] == decay
+        for record in lines:  # the loss logged (and descended) is the steps' CE weighed by decay ** k
+            assert record["loss"] == pytest.approx(weighted(record, decay), rel=1e-5), record
+            assert record["loss"] != pytest.approx(weighted(record, 1.3 - decay), rel=1e-3), record
+    with pytest.raises(tr.TrainConfigError, match="step_decay must be a positive number"):
+        config(data_dir, tmp_path, step_decay=0)
+
+
 def test_a_global_batch_accumulates_batches_per_step_and_is_fixed_for_a_resume(data_dir, tmp_path):
     plain = tr.make_plan(config(data_dir, tmp_path / "plain"))
     plan = tr.make_plan(config(data_dir, tmp_path / "global", global_batch_tokens=128))  # 2 batches of 64 per step

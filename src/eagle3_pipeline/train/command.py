@@ -30,7 +30,12 @@ from dataclasses import fields
 from pathlib import Path
 
 from eagle3_pipeline.cli_args import options_argv, path_str, positive_int
-from eagle3_pipeline.train.recipe import DEFAULT_HEAD_INIT, DEFAULT_TEACHER_TEMPERATURE, HEAD_INITS
+from eagle3_pipeline.train.recipe import (
+    DEFAULT_HEAD_INIT,
+    DEFAULT_STEP_DECAY,
+    DEFAULT_TEACHER_TEMPERATURE,
+    HEAD_INITS,
+)
 from eagle3_pipeline.train.variants import DEFAULT_VARIANT, VARIANTS
 
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 4
@@ -70,6 +75,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--teacher-temperature", type=float, default=DEFAULT_TEACHER_TEMPERATURE,
         help="the target's logits are divided by this before their softmax makes the soft targets; below 1 they "
         "lean toward the target's top-1, the token a greedy verify accepts")
+    add("--step-decay", type=float, default=DEFAULT_STEP_DECAY,
+        help="the loss weighs the k-th training-time-test step by this to the power k (EAGLE-3's 0.8); lower puts "
+        "the weight on the first drafts, which every accepted chain needs")
     add("--weight-decay", type=float, default=0.0)
     add("--grad-clip", type=float, default=0.5, help="gradient norm clip (0: none)")
     add("--batch-tokens", type=positive_int, help="tokens per packed batch per process (default: by the drafter's "

@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from eagle3_pipeline.train.kernels import FusedKernels, default_doc_ids, soft_ce_rows
+from eagle3_pipeline.train.recipe import DEFAULT_STEP_DECAY
 
 TEACHER_CHUNK_BYTES = 128 << 20
-STEP_DECAY = 0.8
+STEP_DECAY = DEFAULT_STEP_DECAY
 MASK_STEPS = 8  # TeacherTargets.step_masks makes at least this many steps' masks (TTT lengths are 7 or so)
 
 

@@ -19,3 +19,5 @@ the seeds, so the defaults stay.
 HEAD_INITS = ("target", "random")
 DEFAULT_HEAD_INIT = "random"
 DEFAULT_TEACHER_TEMPERATURE = 1.0
+# The loss weighs the k-th TTT step by this to the power k (EAGLE-3 and SpecForge: 0.8).
+DEFAULT_STEP_DECAY = 0.8

@@ -45,6 +45,7 @@ from torch import nn
 from eagle3_pipeline.train.data import PackedBatch
 from eagle3_pipeline.train.kernels import fused_kernels, packed_layout
 from eagle3_pipeline.train.loss import (
+    STEP_DECAY,
     TeacherTargets,
     TTTLoss,
     TTTMetrics,
@@ -128,7 +129,8 @@ class StepRunner:
 
     def __init__(self, model: Eagle3Drafter, lm_head: torch.Tensor, *, ttt_length: int, device: torch.device,
                  dtype: str = "float32", parallel: str = "ddp", attention: str = "auto", compile: bool | None = None,
-                 mlp_recompute_steps: int | None = None, embeddings: str = "auto", teacher_temperature: float = 1.0):
+                 mlp_recompute_steps: int | None = None, embeddings: str = "auto", teacher_temperature: float = 1.0,
+                 step_decay: float = STEP_DECAY):
         if attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {attention!r}")
         if embeddings not in EMBEDDING_PLACES:
@@ -139,6 +141,7 @@ class StepRunner:
         self.model = model
         self.lm_head = lm_head
         self.teacher_temperature = teacher_temperature
+        self.step_decay = step_decay
         self.ttt_length = ttt_length
         self.device = device
         self.dtype = dtype
@@ -214,11 +217,11 @@ class StepRunner:
                             layout=layout)
             kernels = fused_kernels(self.model.config, self.compile)
             loss, top = fused_ttt_loss(hidden, self.model.lm_head.weight, teacher, denominators=denominators,
-                                       kernels=kernels)
+                                       decay=self.step_decay, kernels=kernels)
             return loss, ttt_metrics_from_argmax(top, teacher)
         with self.autocast():
             logits = module(*inputs)
-        return ttt_loss(logits, teacher, denominators=denominators), ttt_metrics(logits, teacher)
+        return ttt_loss(logits, teacher, denominators=denominators, decay=self.step_decay), ttt_metrics(logits, teacher)
 
     def train_step(self, batch: PackedBatch | Sequence[PackedBatch], optimizer: torch.optim.Optimizer, lr: float,
                    grad_clip: float) -> tuple[TTTLoss, TTTMetrics]:

@@ -80,7 +80,7 @@ from eagle3_pipeline.train.data import (
     prefetch,
     shard,
 )
-from eagle3_pipeline.train.loss import TTTMetrics
+from eagle3_pipeline.train.loss import STEP_DECAY, TTTMetrics
 from eagle3_pipeline.train.model import LAYOUTS, DrafterConfig, Eagle3Drafter
 from eagle3_pipeline.train.recipe import DEFAULT_HEAD_INIT, DEFAULT_TEACHER_TEMPERATURE, HEAD_INITS
 from eagle3_pipeline.train.step import PARALLEL_MODES, StepRunner, all_reduce, distributed
@@ -105,7 +105,7 @@ CHARTS_DIR = "charts"
 # Settings that decide what a finished run exports: the same ones over the same data -> nothing to do.
 FINGERPRINT_FIELDS = ("target_model_path", "draft_vocab_size", "ttt_length", "epochs", "max_steps", "lr",
                       "warmup_steps", "weight_decay", "grad_clip", "batch_tokens", "eval_ratio", "seed", "dtype",
-                      "variant", "norm_before_fc", "layout", "head_init", "teacher_temperature",
+                      "variant", "norm_before_fc", "layout", "head_init", "teacher_temperature", "step_decay",
                       "global_batch_tokens", "max_train_samples", *SHAPE_OVERRIDES)
 # Settings a resumed run must share with the checkpoint, or its data order / model differ.
 RESUME_FIXED = ("seed", "batch_tokens", "eval_ratio", "ttt_length", "draft_vocab_size", "world", "variant",
@@ -163,6 +163,7 @@ class TrainConfig:
     # temperature (below 1: leaning toward the target's top-1).
     head_init: str = DEFAULT_HEAD_INIT
     teacher_temperature: float = DEFAULT_TEACHER_TEMPERATURE
+    step_decay: float = STEP_DECAY  # the loss weighs TTT step k by step_decay ** k
     # The drafter's shape; None: the target's (see DrafterConfig.from_target).
     hidden_size: int | None = None
     num_attention_heads: int | None = None
@@ -183,7 +184,8 @@ class TrainConfig:
             _check_int(name, getattr(self, name), 1)
         for name in ("warmup_steps", "seed", "checkpoint_every", "eval_opening_tokens"):
             _check_int(name, getattr(self, name), 0)
-        for name, low in (("lr", None), ("weight_decay", 0.0), ("grad_clip", 0.0), ("teacher_temperature", None)):
+        for name, low in (("lr", None), ("weight_decay", 0.0), ("grad_clip", 0.0), ("teacher_temperature", None),
+                          ("step_decay", None)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
                     or (value <= 0 if low is None else value < low):
@@ -448,7 +450,7 @@ class _Run:
         sums, counts = all_reduce(sums.to(device)).cpu(), all_reduce(counts.to(device)).cpu()
         metrics = self._all_reduced(metrics)
         parts = sums / counts.clamp(min=1)
-        weighted = sum(0.8**k * float(p) for k, p in enumerate(parts))
+        weighted = sum(self.runner.step_decay**k * float(p) for k, p in enumerate(parts))
         result = {"loss": weighted, **_metric_fields(parts, metrics), "samples": len(held)}
         if opening_tokens:
             opening = self._all_reduced(opening)
@@ -646,6 +648,7 @@ def make_plan(cfg: TrainConfig, world: int | None = None) -> Plan:
              "accumulate": accumulate, "max_train_samples": cfg.max_train_samples}
     settings = {name: getattr(cfg, name) for name in FINGERPRINT_FIELDS}
     for name, default in (("head_init", DEFAULT_HEAD_INIT), ("teacher_temperature", DEFAULT_TEACHER_TEMPERATURE),
+                          ("step_decay", STEP_DECAY),
                           ("global_batch_tokens", None), ("max_train_samples", None)):
         if settings[name] == default:  # EAGLE-3's recipe keeps the fingerprint it had before these options existed
             del settings[name]
@@ -824,7 +827,8 @@ def train(cfg: TrainConfig) -> dict:
                                    f"to {int(seen[0])}): output_dir must be one directory shared by every node")
     model.to(device)
     runner = StepRunner(model, lm_head, ttt_length=cfg.ttt_length, device=device, dtype=plan.dtype,
-                        parallel=cfg.parallel, teacher_temperature=cfg.teacher_temperature)
+                        parallel=cfg.parallel, teacher_temperature=cfg.teacher_temperature,
+                        step_decay=cfg.step_decay)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if optimizer_state is not None:
