@@ -1,6 +1,6 @@
-"""Two departures from EAGLE-3's and SpecForge's training recipe, as options; the defaults are EAGLE-3's.
+"""Three departures from EAGLE-3's and SpecForge's training recipe, as options; the defaults are EAGLE-3's.
 
-Neither changes the exported drafter or what serving it costs:
+None changes the exported drafter or what serving it costs:
 
 - ``head_init: target``: the drafter's ``lm_head`` and final ``norm`` start as the target's own (its lm_head
   rows of the draft vocabulary, its final norm), so that the drafter predicts through the target's output map
@@ -10,8 +10,12 @@ Neither changes the exported drafter or what serving it costs:
   this. Below 1 they lean toward the target's top-1, which is the one token a greedy verify accepts. The
   default, 1, is EAGLE-3's plain distillation. The top-1 itself, and so every accuracy and the walked
   prediction, do not depend on it.
+- ``step_decay``: the loss weighs the k-th training-time-test step by this to the power k. EAGLE-3's and
+  SpecForge's 0.8 is the default. A greedy chain accepts position k only where positions 1..k-1 were accepted,
+  and these drafters accept a third or less at position 1, so lower values put the weight where the accepted
+  tokens are.
 
-Measured on SmolLM2/ShareGPT against the defaults, both seeds and SpecForge's trainer on the same stored
+Measured (the first two) on SmolLM2/ShareGPT against the defaults, both seeds and SpecForge's trainer on the same stored
 states (docs/benchmarks.md, "Two recipe changes against EAGLE-3's"): neither served more than the spread of
 the seeds, so the defaults stay.
 """
