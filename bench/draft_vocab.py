@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     for records, count in sorted(counts.items()):
         for size in sorted(s for s in args.draft_sizes if s <= vocab_size):
             vocab = build_draft_vocab(count, size)
-            outside = float((~vocab.t2d[drafted]).float().mean()) if drafted.numel() else 0.0
+            outside = int((~vocab.t2d[drafted]).sum()) / drafted.numel() if drafted.numel() else 0.0
             result["by_records"].setdefault(str(records), {})[str(size)] = {
                 "training_coverage": vocab.coverage, "greedy_outside": outside}
             say(f"records {records:>6}, draft vocabulary {size:>6}: covers {vocab.coverage:.2%} of the training's "
