@@ -9,7 +9,9 @@ chat template through the first assistant turn, at most ``--max-length`` minus t
 The vocabularies are counted as the training counts them, over the loss tokens (assistant turns) of the
 first N records of the same file, for each ``--records`` N, and chosen by ``train.vocab.build_draft_vocab``
 for each ``--draft-sizes`` D. The tokens counted are the answers' second to last (the first comes from the
-prefill, before any draft). Prints one line per N and D, and writes ``--json``.
+prefill, before any draft). Prints one line per N and D, and writes ``--json``. (The evaluation reports the
+same share for the one drafter it measures, ``draft_vocabulary`` in evaluation.json; this asks it of other
+sizes and record counts, before any training.)
 
     .venv/bin/python bench/draft_vocab.py --model-path SMOLLM2_DIR --dataset ShareGPT.json \\
         --records 1000 4000 8000 17300 --heldout 200          # the CPU does; a GPU with --device cuda
