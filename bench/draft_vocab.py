@@ -40,13 +40,17 @@ def say(message: str) -> None:
     print(f"[draft-vocab] {message}", flush=True)
 
 
-def loss_token_counts(dataset: Path, renderer: ChatRenderer, vocab_size: int, records: list[int]) -> dict:
-    """{N: [V] int64 counts of the loss tokens of the first N records}, one pass over the largest N."""
+def loss_token_counts(dataset: Path, renderer: ChatRenderer, vocab_size: int,
+                      records: list[int]) -> tuple[dict, frozenset[str]]:
+    """({N: [V] int64 counts of the loss tokens of the first N records}, the ids of the records counted), one pass
+    over the largest N."""
     wanted = sorted(set(records))
-    counts, cumulative, done = {}, torch.zeros(vocab_size, dtype=torch.int64), 0
+    counts, cumulative, done, known = {}, torch.zeros(vocab_size, dtype=torch.int64), 0, set()
     for record in read_dataset(dataset, wanted[-1]):
         done = record.ordinal + 1
         if isinstance(record, Sample):
+            if not record.id_generated:
+                known.add(record.sample_id)
             try:
                 ids, mask = renderer.render(record.messages)
             except SampleError:
@@ -57,16 +61,18 @@ def loss_token_counts(dataset: Path, renderer: ChatRenderer, vocab_size: int, re
             counts[wanted.pop(0)] = cumulative.clone()
     for left in wanted:  # the file ended first
         counts[left] = cumulative.clone()
-    return counts
+    return counts, frozenset(known)
 
 
-def heldout_prompts(dataset: Path, renderer: ChatRenderer, after: int, count: int, longest: int) -> list[list[int]]:
-    """The first ``count`` prompts of the records from ordinal ``after`` on, at most ``longest`` tokens each."""
+def heldout_prompts(dataset: Path, renderer: ChatRenderer, after: int, count: int, longest: int,
+                    known: frozenset[str]) -> list[list[int]]:
+    """The first ``count`` prompts of the records from ordinal ``after`` on, at most ``longest`` tokens each; a
+    record with a counted record's id is left out unrendered (as the evaluation leaves out the training's ids)."""
     first_line = next((r.line for r in read_dataset(dataset) if r.ordinal >= after), None)
     if first_line is None:
         return []
     prompts = []
-    for item in iter_heldout_prompts(dataset, renderer):
+    for item in iter_heldout_prompts(dataset, renderer, known):
         if isinstance(item, HeldoutPrompt) and item.line >= first_line and len(item.input_ids) <= longest:
             prompts.append(list(item.input_ids))
             if len(prompts) == count:
@@ -123,10 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     model = model.to(args.device).eval()
     vocab_size = int(model.get_output_embeddings().weight.shape[0])
     started = time.monotonic()
-    counts = loss_token_counts(args.dataset, renderer, vocab_size, args.records)
+    counts, known = loss_token_counts(args.dataset, renderer, vocab_size, args.records)
     say(f"loss tokens of the first {max(args.records)} records counted ({time.monotonic() - started:.0f} s)")
     prompts = heldout_prompts(args.dataset, renderer, max(args.records), args.heldout,
-                              args.max_length - args.new_tokens)
+                              args.max_length - args.new_tokens, known)
     if not prompts:
         raise SystemExit(f"[draft-vocab] {args.dataset}: no held-out prompt after record {max(args.records)}")
     answers = greedy_answers(model, tokenizer, prompts, args.new_tokens, args.batch)
