@@ -108,8 +108,10 @@ Where ours differs (the first suspects if ours ends up below SpecForge):
 7. batching: SpecForge's default is one sample a step; here it gets ours' packed batches as padded batches, so
    its per-step sample count varies (padding rows enter its loss denominator, see 1);
 8. metrics: SpecForge's acc_k counts out-of-vocabulary top-1s as misses over the loss rows; ours is over the
-   trained rows (``specforge_acc_k`` vs ``acc_k`` in metrics.jsonl).
-Same in both: AdamW (0.9, 0.999, 1e-8, no weight decay), grad clip 0.5, TTT 7, 0.8^k step weights, the soft
+   trained rows (``specforge_acc_k`` vs ``acc_k`` in metrics.jsonl);
+9. step weights: SpecForge's loss weighs TTT step k by 0.8^k (its ``ploss_decay``), ours by 0.5^k by default
+   (``--step-decay``; 0.8 is EAGLE-3's recipe); ours' ``loss`` of SpecForge's logits uses ours' default.
+Same in both: AdamW (0.9, 0.999, 1e-8, no weight decay), grad clip 0.5, TTT 7, the soft
 targets (softmax of the target's draft-vocabulary logits), positions advancing one per TTT step, the attention
 pattern, the bf16 teacher on a GPU.
 

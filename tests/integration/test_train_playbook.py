@@ -278,12 +278,12 @@ def test_the_eagle3_1_variant_is_trained_and_exported_with_sglangs_flags(data_di
 
     run = run_playbook(tmp_path_factory, training_vars(data_dir, workdir, eagle_training_variant="eagle3.1",
                                                        eagle_training_norm_before_fc=True,
-                                                       eagle_training_step_decay=0.5,
+                                                       eagle_training_step_decay=0.65,
                                                        eagle_training_max_steps=2))
 
     assert run.status == "successful", run.stdout
     training = json.loads((workdir / "drafter-run" / "training.json").read_text())
-    assert training["config"]["step_decay"] == 0.5  # the role's variable reached the loss's weighing
+    assert training["config"]["step_decay"] == 0.65  # the role's variable reached the loss's weighing
     config = json.loads((workdir / "drafter-run" / "drafter" / "config.json").read_text())
     assert (config["fc_norm"], config["norm_output"], config["norm_before_fc"]) == (True, True, True)
     assert config["eagle3_pipeline"]["variant"] == "eagle3.1"

@@ -489,7 +489,7 @@ def test_loss_is_the_decayed_sum_of_masked_soft_cross_entropies():
     for step, logits in enumerate(step_logits):
         rows = [t for t in range(6) if bool(teacher.position_mask(step)[0, t])]
         ces = [-(teacher.probs[0, t + 1 + step] * torch.log_softmax(logits[0, t], -1)).sum() for t in rows]
-        expected += 0.8**step * torch.stack(ces).mean()
+        expected += 0.5**step * torch.stack(ces).mean()  # the default step decay, 0.5
     torch.testing.assert_close(result.loss, expected)
     assert result.step_counts.tolist() == [3, 2]
     halved = ttt_loss(step_logits, teacher, denominators=torch.tensor([6, 4]))

@@ -185,14 +185,33 @@ def test_the_step_decay_weighs_each_ttt_step_of_the_loss(data_dir, tmp_path):
     def weighted(record, decay):
         return sum(decay**k * part for k, part in enumerate(record["loss_k"]))
 
-    for decay, out in ((0.5, tmp_path / "half"), (0.8, tmp_path / "default")):
-        lines, training = records(out, **({"step_decay": decay} if decay != 0.8 else {}))
+    for decay, out in ((0.5, tmp_path / "default"), (0.8, tmp_path / "eagle3")):
+        lines, training = records(out, **({"step_decay": decay} if decay != 0.5 else {}))
         assert {r["kind"] for r in lines} == {"train", "eval"} and training["config"]["step_decay"] == decay
         for record in lines:  # the loss logged (and descended) is the steps' CE weighed by decay ** k
             assert record["loss"] == pytest.approx(weighted(record, decay), rel=1e-5), record
             assert record["loss"] != pytest.approx(weighted(record, 1.3 - decay), rel=1e-3), record
     with pytest.raises(tr.TrainConfigError, match="step_decay must be a positive number"):
         config(data_dir, tmp_path, step_decay=0)
+
+
+def test_a_run_begun_at_another_step_decay_is_refused_not_finished_at_the_default(data_dir, tmp_path):
+    out = tmp_path / "run"
+    tr.train(config(data_dir, out, step_decay=0.8, max_steps=4))  # EAGLE-3's weighing, the default before
+    assert tr.make_plan(config(data_dir, out, step_decay=0.8)).fingerprint \
+        != tr.make_plan(config(data_dir, out)).fingerprint  # so the finished run is not taken as the default's
+    with pytest.raises(tr.TrainConfigError, match=r"step_decay 0.8 -> 0.5.*the same settings, or resume: false"):
+        tr.train(config(data_dir, out, max_steps=8))
+    # A checkpoint written before the decay was recorded was trained at 0.8: refused at 0.5, resumed at 0.8.
+    state_file = out / "checkpoints" / "step-4" / tr.STATE_FILE
+    state = json.loads(state_file.read_text())
+    del state["fixed"]["step_decay"]
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(tr.TrainConfigError, match=r"step_decay 0.8 -> 0.5"):
+        tr.train(config(data_dir, out, max_steps=8))
+    assert tr.train(config(data_dir, out, step_decay=0.8, max_steps=8))["steps"] == 8
+    steps = [step for step, _ in train_losses(out)]
+    assert steps == list(range(1, 9)), steps  # steps 5-8 continued the checkpoint; nothing trained twice
 
 
 def test_a_global_batch_accumulates_batches_per_step_and_is_fixed_for_a_resume(data_dir, tmp_path):

@@ -1,7 +1,8 @@
 """The teacher, the TTT loss and the metrics of the drafter's steps (``train/model.py``).
 
-Loss: sum_k 0.8^k * CE_k, CE_k the soft cross-entropy -sum_d q(d) log softmax(logits)(d) averaged
-over the rows whose step-k mask is set (``denominators`` lets DDP divide by the global count).
+Loss: sum_k decay^k * CE_k (decay: ``step_decay``, 0.5 by default, EAGLE-3's 0.8), CE_k the soft
+cross-entropy -sum_d q(d) log softmax(logits)(d) averaged over the rows whose step-k mask is set
+(``denominators`` lets DDP divide by the global count).
 Metrics per step: acc_k = top-1 agreement over the masked rows; conditional acc_k = agreement at
 step k among rows whose chain was right at steps 0..k-1 (rows where the target's top-1 is out of
 the draft vocabulary count as misses, as when serving); simulated acceptance length

@@ -82,7 +82,12 @@ from eagle3_pipeline.train.data import (
 )
 from eagle3_pipeline.train.loss import STEP_DECAY, TTTMetrics
 from eagle3_pipeline.train.model import LAYOUTS, DrafterConfig, Eagle3Drafter
-from eagle3_pipeline.train.recipe import DEFAULT_HEAD_INIT, DEFAULT_TEACHER_TEMPERATURE, HEAD_INITS
+from eagle3_pipeline.train.recipe import (
+    DEFAULT_HEAD_INIT,
+    DEFAULT_TEACHER_TEMPERATURE,
+    EAGLE3_STEP_DECAY,
+    HEAD_INITS,
+)
 from eagle3_pipeline.train.step import PARALLEL_MODES, StepRunner, all_reduce, distributed
 from eagle3_pipeline.train.variants import DEFAULT_VARIANT, VARIANTS
 from eagle3_pipeline.train.vocab import VocabError, build_draft_vocab, load_token_counts, resolve_draft_vocab_size
@@ -107,12 +112,13 @@ FINGERPRINT_FIELDS = ("target_model_path", "draft_vocab_size", "ttt_length", "ep
                       "warmup_steps", "weight_decay", "grad_clip", "batch_tokens", "eval_ratio", "seed", "dtype",
                       "variant", "norm_before_fc", "layout", "head_init", "teacher_temperature", "step_decay",
                       "global_batch_tokens", "max_train_samples", *SHAPE_OVERRIDES)
-# Settings a resumed run must share with the checkpoint, or its data order / model differ.
+# Settings a resumed run must share with the checkpoint, or its data order / model / loss's weighing differ (the
+# step decay is here since its default changed: a run begun at 0.8 is not finished at 0.5 without a word).
 RESUME_FIXED = ("seed", "batch_tokens", "eval_ratio", "ttt_length", "draft_vocab_size", "world", "variant",
-                "norm_before_fc", "layout", "head_init", "accumulate", "max_train_samples")
+                "norm_before_fc", "layout", "head_init", "accumulate", "max_train_samples", "step_decay")
 # What a checkpoint written before a setting was recorded had (variants, layouts and the head's start came later).
 FIXED_BEFORE = {"variant": DEFAULT_VARIANT, "norm_before_fc": False, "layout": "llama", "head_init": "random",
-                "accumulate": 1, "max_train_samples": None}
+                "accumulate": 1, "max_train_samples": None, "step_decay": EAGLE3_STEP_DECAY}
 
 
 
@@ -528,7 +534,7 @@ class Plan:
         return Path(self.cfg.drafter_dir) if self.cfg.drafter_dir else self.out_dir / DRAFTER_DIR
 
     def check_resumable(self, path: Path, document: dict) -> None:
-        """Refuse a checkpoint written with settings that change the data order or the model."""
+        """Refuse a checkpoint written with settings that change the data order, the model or the loss's weighing."""
         saved = document.get("fixed", {})
         changed = [f"{k} {saved.get(k, FIXED_BEFORE.get(k))!r} -> {v!r}" for k, v in self.fixed.items()
                    if saved.get(k, FIXED_BEFORE.get(k)) != v]
@@ -645,10 +651,10 @@ def make_plan(cfg: TrainConfig, world: int | None = None) -> Plan:
     fixed = {"seed": cfg.seed, "batch_tokens": cfg.batch_tokens, "eval_ratio": cfg.eval_ratio,
              "ttt_length": cfg.ttt_length, "draft_vocab_size": draft_size, "world": world, "variant": cfg.variant,
              "norm_before_fc": cfg.norm_before_fc, "layout": drafter_config.layout, "head_init": cfg.head_init,
-             "accumulate": accumulate, "max_train_samples": cfg.max_train_samples}
+             "accumulate": accumulate, "max_train_samples": cfg.max_train_samples, "step_decay": cfg.step_decay}
     settings = {name: getattr(cfg, name) for name in FINGERPRINT_FIELDS}
     for name, default in (("head_init", DEFAULT_HEAD_INIT), ("teacher_temperature", DEFAULT_TEACHER_TEMPERATURE),
-                          ("step_decay", STEP_DECAY),
+                          ("step_decay", EAGLE3_STEP_DECAY),
                           ("global_batch_tokens", None), ("max_train_samples", None)):
         if settings[name] == default:  # EAGLE-3's recipe keeps the fingerprint it had before these options existed
             del settings[name]
