@@ -112,10 +112,6 @@ FINGERPRINT_FIELDS = ("target_model_path", "draft_vocab_size", "ttt_length", "ep
                       "warmup_steps", "weight_decay", "grad_clip", "batch_tokens", "eval_ratio", "seed", "dtype",
                       "variant", "norm_before_fc", "layout", "head_init", "teacher_temperature", "step_decay",
                       "global_batch_tokens", "max_train_samples", *SHAPE_OVERRIDES)
-# Settings a resumed run must share with the checkpoint, or its data order / model / loss's weighing differ (the
-# step decay is here since its default changed: a run begun at 0.8 is not finished at 0.5 without a word).
-RESUME_FIXED = ("seed", "batch_tokens", "eval_ratio", "ttt_length", "draft_vocab_size", "world", "variant",
-                "norm_before_fc", "layout", "head_init", "accumulate", "max_train_samples", "step_decay")
 # What a checkpoint written before a setting was recorded had (variants, layouts and the head's start came later).
 FIXED_BEFORE = {"variant": DEFAULT_VARIANT, "norm_before_fc": False, "layout": "llama", "head_init": "random",
                 "accumulate": 1, "max_train_samples": None, "step_decay": EAGLE3_STEP_DECAY}
@@ -648,6 +644,8 @@ def make_plan(cfg: TrainConfig, world: int | None = None) -> Plan:
                         f"{cfg.batch_tokens} tokens for each of {world} processes; lower batch_tokens or the "
                         "number of processes, or extract more data")
     limit = min(total, cfg.max_steps) if cfg.max_steps is not None else total
+    # Settings a resumed run must share with the checkpoint, or its data order / model / loss's weighing differ (the
+    # step decay is among them since its default changed: a run begun at 0.8 is not finished at 0.5 without a word).
     fixed = {"seed": cfg.seed, "batch_tokens": cfg.batch_tokens, "eval_ratio": cfg.eval_ratio,
              "ttt_length": cfg.ttt_length, "draft_vocab_size": draft_size, "world": world, "variant": cfg.variant,
              "norm_before_fc": cfg.norm_before_fc, "layout": drafter_config.layout, "head_init": cfg.head_init,
