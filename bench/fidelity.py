@@ -162,7 +162,7 @@ def train_ours(work: Path, data_dir: Path, reference: dict, seed: int, args, nam
             str(out), "--seed", str(seed), "--device", args.device, "--no-tensorboard", "--no-charts",
             "--variant", variant]
     for key in ("draft_vocab_size", "ttt_length", "epochs", "lr", "warmup_steps", "batch_tokens", "eval_ratio",
-                "grad_clip", "weight_decay", "head_init", "teacher_temperature"):
+                "grad_clip", "weight_decay", "head_init", "teacher_temperature", "step_decay"):
         if config.get(key) is not None:
             argv += [f"--{key.replace('_', '-')}", str(config[key])]
     return argv + (recipe[1] if recipe else []), out

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
+import time
 
 import pytest
 import torch
@@ -51,7 +53,9 @@ def train_losses(out):
 
 
 def test_loss_decreases_and_metrics_are_logged(data_dir, tmp_path):
+    began = time.perf_counter()
     result = tr.train(config(data_dir, tmp_path, max_steps=30))
+    wall = time.perf_counter() - began
     losses = [loss for _, loss in train_losses(tmp_path)]
     assert result["steps"] == len(losses) == 30
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
@@ -63,6 +67,11 @@ def test_loss_decreases_and_metrics_are_logged(data_dir, tmp_path):
     assert len(first["loss_k"]) == len(first["acc_k"]) == 3
     assert any(r["kind"] == "eval" for r in records)
     assert sorted(p.name for p in tmp_path.joinpath("checkpoints").iterdir()) == ["step-28", "step-30"]
+    # Each step's tokens/s over its own time: the steps' times are disjoint spans of the run, and none is a
+    # sliver (the last step was once timed from the read of the one before it: millions of tokens/s).
+    seconds = [r["tokens"] / r["tokens_per_s"] for r in records if r["kind"] == "train"]
+    assert sum(seconds) <= wall
+    assert min(seconds) > 0.2 * statistics.median(seconds)
 
 
 def test_resume_gives_exactly_the_uninterrupted_losses(data_dir, tmp_path):

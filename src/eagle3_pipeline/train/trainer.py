@@ -876,17 +876,17 @@ def train(cfg: TrainConfig) -> dict:
                                       group=plan.accumulate), pin=device.type == "cuda")
             epoch = data_state.epoch
             queued = None  # the last step's figures, still on the device: read once the next step is queued too
-            read_at = time.perf_counter()
             stop_flag = None  # several processes: the last step's stop request, summed over them on the device
 
-            def read_figures(figures: dict) -> None:
-                """Log a step's figures. Reading them waits for that step's kernels, not for the one queued after it;
-                its tokens/s counts the time since the step before it was read."""
-                nonlocal last, read_at
+            def read_figures(figures: dict, until: float | None = None) -> None:
+                """Log a step's figures. Reading them waits for that step's kernels, not for the one queued after it.
+                Its tokens/s counts from its own start to ``until``, the next step's start, or when not given (the
+                last step, a checkpoint's) to the end of its kernels. Not from the read before: the last step,
+                read right after the one before it, would count a few microseconds (millions of tokens/s)."""
+                nonlocal last
                 fields_ = {"loss": float(figures["loss"]), **_metric_fields(figures["parts"], figures["metrics"]),
                            "tokens": int(figures["tokens"])}
-                now = time.perf_counter()
-                elapsed, read_at = max(now - read_at, 1e-9), now
+                elapsed = max((time.perf_counter() if until is None else until) - figures["began"], 1e-9)
                 last = {"kind": "train", "step": figures["step"], "epoch": figures["epoch"], **fields_,
                         "tokens_per_s": fields_["tokens"] / elapsed, "lr": figures["lr"]}
                 log.write(last)
@@ -896,6 +896,7 @@ def train(cfg: TrainConfig) -> dict:
 
             try:
                 for after, group in _steps(stream, plan.accumulate):
+                    began = time.perf_counter()
                     lr = lr_at(step, cfg, plan.total)
                     loss, metrics = runner.train_step(group[0] if len(group) == 1 else group, optimizer, lr,
                                                       cfg.grad_clip)
@@ -903,12 +904,12 @@ def train(cfg: TrainConfig) -> dict:
                     for name in METRIC_COUNTS:
                         all_reduce(getattr(metrics, name))
                     tokens = sum(batch.num_tokens for batch in group)
-                    figures = {"step": step, "epoch": epoch + 1, "lr": lr, "metrics": metrics,
+                    figures = {"step": step, "epoch": epoch + 1, "lr": lr, "metrics": metrics, "began": began,
                                "loss": all_reduce(loss.loss.detach().clone()) / world,
                                "parts": all_reduce(loss.step_losses.clone()) / world,
                                "tokens": all_reduce(torch.full((), tokens, device=device)) if world > 1 else tokens}
                     if queued is not None:
-                        read_figures(queued)
+                        read_figures(queued, until=began)
                     queued = figures
                     epoch, data_state = after.epoch, after
                     asked = stop["stop"] or bool(stop_file and os.path.exists(stop_file))
