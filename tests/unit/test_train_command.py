@@ -84,6 +84,10 @@ def test_check_train_and_the_rerun_that_does_nothing(data_dir, tmp_path):
     assert first.returncode == 0, first.stderr
     assert "acc per position" in first.stderr and str(out / "drafter") in first.stderr
     record = json.loads((out / tr.TRAINING_FILE).read_text())
+    rounds = record["eval"]["opening"]["rounds"]
+    taus = ", ".join(f"{rounds[chain]['tau']:.2f} at {chain}" for chain in ("1", "2", "3"))
+    assert f"walked round by round as serving drafts them: tau {taus} drafts per verify" in first.stderr
+    record = json.loads((out / tr.TRAINING_FILE).read_text())
     assert record["steps"] == 6 and record["eval"]["samples"] > 0
     assert json.loads((out / tr.PROGRESS_FILE).read_text())["state"] == "done"
     config = json.loads((out / "drafter" / "config.json").read_text())

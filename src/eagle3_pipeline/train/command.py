@@ -211,8 +211,15 @@ def _print_summary(summary: dict) -> None:
     last, evaluation = summary.get("last") or {}, summary.get("eval") or {}
     seen = evaluation or last
     acc = "/".join(f"{a:.2f}" for a in seen.get("acc_k", []))
-    _say(f"{summary['steps']} steps; {'held-out' if evaluation else 'last batch'}: acc per position {acc}, "
-         f"simulated acceptance length {seen.get('acceptance_length', 0.0):.2f}")
+    _say(f"{summary['steps']} steps; {'held-out, whole conversations' if evaluation else 'last batch'}: acc per "
+         f"position {acc}, simulated acceptance length {seen.get('acceptance_length', 0.0):.2f}")
+    opening = evaluation.get("opening") or {}
+    rounds = opening.get("rounds") or {}
+    if rounds:
+        # What serving should measure: the whole-conversation figures above read higher (a training curve).
+        taus = ", ".join(f"{rounds[chain]['tau']:.2f} at {chain}" for chain in sorted(rounds, key=int))
+        _say(f"held-out first answers of {opening.get('tokens')} tokens walked round by round as serving drafts "
+             f"them: tau {taus} drafts per verify (what the evaluation should measure)")
     _say(f"drafter (SGLang): {summary['drafter_dir']}")
     if summary.get("speculators_dir"):
         _say(f"drafter (speculators / vLLM): {summary['speculators_dir']}")
