@@ -309,9 +309,10 @@ def busy_note(trainings: int) -> str:
 def summary(results: dict) -> list[str]:
     """The table and the ratios."""
     lines = [f"{results.get('label', results['dtype'])}: {results['prompts']} held-out prompts",
-             f"{'drafter':<40} {'samples':>8} {'tau@3':>7} {'tau@7':>7} {'rep@3':>7} {'rep@7':>7} {'pred@3':>7} "
-             f"{'pred@7':>7} {'x@3':>7} {'x@7':>7}  acceptance per position (chain of 7, conditional); rep: replayed "
-             "from full forwards; x: tokens/s over the target alone's, '-' where either was measured beside a training"]
+             f"{'drafter':<40} {'samples':>8} {'steps':>6} {'tau@3':>7} {'tau@7':>7} {'rep@3':>7} {'rep@7':>7} "
+             f"{'pred@3':>7} {'pred@7':>7} {'x@3':>7} {'x@7':>7}  acceptance per position (chain of 7, conditional); "
+             "rep: replayed from full forwards; x: tokens/s over the target alone's, '-' where either was "
+             "measured beside a training"]
     taus: dict[str, dict[int, float]] = {}
     for name, entry in results["drafters"].items():
         by_chain = {run["draft_tokens"]: run for run in entry["runs"]}
@@ -323,7 +324,8 @@ def summary(results: dict) -> list[str]:
         cond = "/".join(f"{v:.2f}" for v in by_chain[7]["conditional_acceptance_per_position"]) if 7 in by_chain \
             else "-"
         replayed = {chain: (run.get("replayed") or {}).get("tau") for chain, run in by_chain.items()}
-        lines.append(f"{name:<40} {entry.get('train_samples') or '-':>8} {fmt(taus[name].get(3))} "
+        lines.append(f"{name:<40} {entry.get('train_samples') or '-':>8} {entry.get('steps') or '-':>6} "
+                     f"{fmt(taus[name].get(3))} "
                      f"{fmt(taus[name].get(7))} {fmt(replayed.get(3))} {fmt(replayed.get(7))} "
                      f"{fmt(by_chain.get(3, {}).get('predicted_tau'))} "
                      f"{fmt(by_chain.get(7, {}).get('predicted_tau'))} {fmt(by_chain.get(3, {}).get('speedup'))} "
