@@ -8,6 +8,7 @@ them, and the role copies them beside the report.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -60,6 +61,9 @@ def test_report_playbook_writes_once_then_changes_nothing_and_check_writes_nothi
     assert f"report: {index} (unchanged)" in stdout
     assert "verdict: PASSED: Measured acceptance within what the training predicts" in stdout
     assert "no check failed" not in stdout and "FAILED:" not in stdout
+    # After the recap, the role's wall time (playbooks/callback_plugins/stage_times.py, found under ansible-runner).
+    assert re.search(r"PLAY RECAP .* STAGE TIMES \(wall seconds per role.* report +[0-9]+\.[0-9] s .*playbook +"
+                     r"[0-9]+\.[0-9] s slowest tasks: report : ", stdout), stdout
 
     # A drafter that failed its evaluation: the role's message says what failed and why, not only the page.
     evaluation = json.loads((out / "evaluation" / "evaluation.json").read_text())
