@@ -26,9 +26,15 @@ def test_run_shows_each_task_result_the_summary_and_a_recap(tmp_path):
     assert lines[0] == "PLAY Free the GPUs"
     assert "  ok          localhost | gpu_reset : Show the report" in lines
     assert "               gpu_reset on localhost (check mode: nothing signalled)" in lines
-    assert lines[-4] == "RECAP"
+    recap = lines.index("RECAP")
     assert re.fullmatch(r"  localhost: ok=\d+  changed=\d+  failed=0  skipped=\d+  unreachable=0  rescued=0  ignored=0",
-                        lines[-3])
+                        lines[recap + 1])
+    # Then where the time went (playbooks/callback_plugins/stage_times.py), the paths and the stage's line.
+    assert lines[recap + 2].startswith("STAGE TIMES (wall seconds per role")
+    assert re.fullmatch(r"gpu_reset +\d+\.\d s", lines[recap + 3])
+    assert re.fullmatch(r"playbook +\d+\.\d s", lines[recap + 4])
+    assert lines[recap + 5].startswith("slowest tasks: gpu_reset : ")
+    assert len(lines) == recap + 8
     assert lines[-2] == f"gpu_reset_dir: {reports}"
     assert lines[-1].startswith("stage gpu-reset: successful in ")
     assert lines[-1].endswith(" s (check mode: nothing changed)")
