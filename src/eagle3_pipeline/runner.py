@@ -311,8 +311,9 @@ def simplify_event(event: dict) -> dict | None:
     asynchronously: ``still running on the host ...``, ``task`` empty: the task started last runs
     it), ``warning``, ``output``
     (other lines of Ansible's output) and ``recap`` (``stats``: per host, as ``HostStats``
-    fields; only the ``output`` lines of STAGE TIMES, the wall seconds per role, follow it). ``message`` holds the debug message of an ok result (a role's summary, its lines
-    joined) and the failure message of a failed one.
+    fields; only the ``output`` lines of STAGE TIMES, the wall seconds per role, follow it).
+    ``message`` holds the debug message of an ok result (a role's summary, its lines joined) and
+    the failure message of a failed one.
     """
     name = event.get("event", "")
     data = event.get("event_data") or {}
