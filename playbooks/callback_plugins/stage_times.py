@@ -23,7 +23,7 @@ requirements:
   - enabled in ansible.cfg (callbacks_enabled = stage_times)
 """
 
-SLOWEST = 5  # tasks named after the roles
+SLOWEST = 5  # how many of the slowest tasks the last line names
 OUTSIDE_ROLES = "(outside roles)"
 
 
