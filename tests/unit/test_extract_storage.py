@@ -227,6 +227,21 @@ def test_verify_checks_the_scales_and_values_of_float8_files(fp8_dir):
     ]
 
 
+def test_the_finite_check_of_float8_bits_agrees_with_converting_every_value():
+    # All 256 bytes of e4m3fn, one at a time beside finite ones: the check over the bits says what
+    # isfinite over the values converted to float32 says (0x7F and 0xFF, the two NaNs, are the only non-finite).
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    for byte in range(256):
+        one = torch.zeros(4, 3, dtype=torch.uint8)
+        one[2, 1] = byte
+        values = one.view(torch.float8_e4m3fn)
+        assert storage.all_finite(values) == bool(torch.isfinite(values.float()).all()), hex(byte)
+    assert [b for b in range(256) if not torch.isfinite(every[b:b + 1].float()).all()] == [0x7F, 0xFF]
+    assert storage.all_finite(torch.tensor([1.0, -448.0]).to(torch.bfloat16))
+    assert not storage.all_finite(torch.tensor([1.0, float("inf")]).to(torch.bfloat16))
+    assert not storage.all_finite(torch.tensor([float("nan")]))
+
+
 # -- the readers -------------------------------------------------------------------------------
 def test_training_reads_float8_as_stored_and_dequantizes_where_the_batch_goes(bf16_dir, fp8_dir):
     data, reference = open_dataset(fp8_dir), open_dataset(bf16_dir)

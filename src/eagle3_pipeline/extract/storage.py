@@ -236,6 +236,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return FLOAT8 if dtype == FLOAT8_TORCH else str(dtype).removeprefix("torch.")
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds no NaN and no infinity. For float8_e4m3fn, read from its bits: the format has no
+    infinities, and its only NaNs are the bytes 0x7F and 0xFF (exponent and mantissa all ones), so one mask over
+    the bytes gives what converting every value to float32 would, at a fraction of the cost (a deep verify of
+    all of ShareGPT checks some 26 G stored values)."""
+    if tensor.dtype == FLOAT8_TORCH:
+        return not bool(tensor.view(torch.uint8).bitwise_and(0x7F).eq(0x7F).any())
+    return bool(torch.isfinite(tensor).all())
+
+
 def check_tensors(  # noqa: PLR0911 - one return per problem found
     tensors: dict[str, torch.Tensor], layout: Layout, tokens: int, data_dir: Path | str,
                   finite: bool = False) -> str | None:
@@ -260,8 +270,7 @@ def check_tensors(  # noqa: PLR0911 - one return per problem found
             return f"{name} is {got.dtype}, the manifest says {_dtype_name(dtype)}"
     if finite:
         for name in (*HIDDEN_NAMES, *(SCALE_NAMES.values() if layout.quantized else ())):
-            values = tensors[name].float() if tensors[name].dtype == FLOAT8_TORCH else tensors[name]
-            if not bool(torch.isfinite(values).all()):
+            if not all_finite(tensors[name]):
                 return f"{name} has NaN or inf values"
         if layout.quantized and any(bool((tensors[name] < 0).any()) for name in SCALE_NAMES.values()):
             return "a scale is negative"
