@@ -10,7 +10,9 @@ site.yml runs them, over the same conversations:
 - ``extract``: the capture server (``purpose: capture``) and ``eagle3-pipeline extract`` over the first
   layout's regenerated conversations (the same token ids for every layout), every sample verified as the role
   does; stored tokens (``data_config.json``) over the command's wall time. The data is deleted after each
-  layout (disk).
+  layout (disk). ``--capture-batches 8,32`` runs it once per capture-server batch (``--max-batch-size``; the
+  first is the baseline, ``0`` the engine's own default), side by side over the same conversations, each with the
+  capture server's own account of its time (prefills, requests a prefill, seconds prefilling and idle).
 
 Both times are the client's whole command, tokenizer load and merge included, so they are what an operator
 waits for. Printed: one line per stage and layout, the ratio to ``1x1``, and how many conversations each
@@ -117,10 +119,12 @@ def timed(argv: list[str], log: Path) -> tuple[float, float]:
     return time.perf_counter() - started, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def layout_plan(args, purpose: str, gpus: int, per: int, port: int, capture_dir: Path) -> dict:
+def layout_plan(args, purpose: str, gpus: int, per: int, port: int, capture_dir: Path, capture_batch: int = 0) -> dict:
     extra = ["--replicas-per-device", str(per)] if gpus * per > 1 else []
     if purpose == "serve":
         extra = ["--max-batch-size", str(max(1, args.batch // per)), *args.serve_arg] + extra
+    elif capture_batch > 0:
+        extra = ["--max-batch-size", str(max(1, capture_batch // per))] + extra
     # As the regeneration role plans its serving server: slots sized to the longest request.
     return server_plan("reference", sys.executable, str(args.model_path), "127.0.0.1", port, str(capture_dir),
                        device=args.device, extra_args=extra, purpose=purpose, dp_size=gpus * per,
@@ -177,28 +181,50 @@ def step_ms(workers: list[dict], key: str) -> float | None:
     return 1000 * sum(w[key] for w in workers) / steps
 
 
-def extract(args, name: str, gpus: int, per: int, dataset: Path) -> dict:
+def extract(args, name: str, gpus: int, per: int, dataset: Path, capture_batch: int = 0) -> dict:
+    """The extraction of ``dataset`` through a fresh capture server of ``capture_batch`` requests a batch (0: the
+    engine's default): the client's tokens/s, and the server's own account of its time."""
+    name = f"{name}-b{capture_batch}" if capture_batch else name
     out = args.work / f"data-{name}"
     capture = Path(args.capture_root) / f"e3p-replicas-{os.getpid()}-{name}"
     for path in (out, capture):
         shutil.rmtree(path, ignore_errors=True)
     capture.mkdir(parents=True)
     port = free_port()
-    server = Server(layout_plan(args, "capture", gpus, per, port, capture), port, args.work / f"capture-{name}.log")
+    server = Server(layout_plan(args, "capture", gpus, per, port, capture, capture_batch), port,
+                    args.work / f"capture-{name}.log")
     try:
         seconds, cpu = timed([sys.executable, "-m", "eagle3_pipeline.cli", "extract", "--dataset", str(dataset),
                               "--output-dir", str(out), "--server-url", server.url, "--capture-dir", str(capture),
                               "--max-length", str(args.max_length), "--concurrency",
                               str(args.extraction_concurrency * gpus), "--model-path", str(args.model_path),
                               "--max-skip-ratio", "0.2", "--quiet"], args.work / f"extract-{name}.log")
+        info = EngineClient(server.url, timeout_s=60, retries=0).call("GET", "/server_info")
     finally:
         server.stop()
         shutil.rmtree(capture, ignore_errors=True)
     manifest = json.loads((out / "data_config.json").read_text())
     shutil.rmtree(out, ignore_errors=True)
     tokens = int(manifest["num_tokens"])
+    workers = [r["worker"] for r in info["replicas"]] if "replicas" in info else [info["worker"]]
+    prefills = sum(w["prefills"] for w in workers)
+    prefill_s = sum(w["prefill_s"] for w in workers)
     return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "client_cpu": cpu / seconds,
-            "samples": manifest["num_samples"]}
+            "samples": manifest["num_samples"], "capture_batch": capture_batch or None,
+            "max_batch_size": info.get("max_batch_size"), "prefills": prefills,
+            "mean_prefill_batch": weighted_mean(workers, "mean_prefill_batch", "prefills"),
+            "prefill_ms": 1000 * prefill_s / prefills if prefills else None,
+            "prefill_share": sum(w["prefill_s"] / w["wall_s"] for w in workers) / len(workers),
+            "idle_share": sum(w["idle_s"] / w["wall_s"] for w in workers) / len(workers)}
+
+
+def describe_extraction(name: str, ext: dict) -> str:
+    """One line: an extraction and where its capture servers' time went."""
+    batch = f"capture batch {ext['max_batch_size']}" if ext.get("max_batch_size") else "capture batch -"
+    return (f"{name} extract ({batch}): {ext['tokens']:,} tokens in {ext['seconds']:.1f} s, "
+            f"{ext['tokens_per_s']:,.0f} tokens/s; {ext['prefills']:,} prefills of {ext['mean_prefill_batch']:.1f} "
+            f"requests, {ms(ext['prefill_ms'])} ms each; each server prefilling {ext['prefill_share']:.0%} and idle "
+            f"{ext['idle_share']:.0%} of the time; the client used {ext['client_cpu']:.2f} CPU s a second")
 
 
 def same_answers(first: Path, other: Path) -> tuple[int, int]:
@@ -254,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extraction-concurrency", type=int, default=32, help="samples in flight per GPU")
     parser.add_argument("--capture-root", default="/dev/shm" if Path("/dev/shm").is_dir() else "/tmp")
     parser.add_argument("--skip-extract", action="store_true")
+    parser.add_argument("--capture-batches", type=lambda text: [int(t) for t in text.split(",")], default=[0],
+                        help="the extraction once per capture-server batch (its --max-batch-size per GPU; 0: the "
+                        "engine's default), side by side; the first is the baseline")
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args(argv)
     args.work = args.work.resolve()
@@ -275,10 +304,10 @@ def main(argv: list[str] | None = None) -> int:
         row["regenerate"]["same_as_first"], row["regenerate"]["compared"] = same_answers(first, output)
         say(describe_regeneration(name, row["regenerate"]))
         if not args.skip_extract:
-            row["extract"] = extract(args, name, gpus, per, first / "regenerated.jsonl")
-            ext = row["extract"]
-            say(f"{name} extract: {ext['tokens']:,} tokens in {ext['seconds']:.1f} s, {ext['tokens_per_s']:,.0f} "
-                f"tokens/s; the client used {ext['client_cpu']:.2f} CPU s a second")
+            runs = [extract(args, name, gpus, per, first / "regenerated.jsonl", b) for b in args.capture_batches]
+            for ext in runs:
+                say(describe_extraction(name, ext))
+            row["extract"], row["extract_batches"] = runs[0], runs
         rows.append(row)
     base = rows[0]
     print(f"\n| layout | processes | regenerate tokens/s | x {base['layout']} | mean decode batch | decoding | "
@@ -294,6 +323,16 @@ def main(argv: list[str] | None = None) -> int:
                                            if ext else "- | - |"))
     result = {"rows": rows, "settings": {key: str(value) if isinstance(value, Path) else value
                                          for key, value in vars(args).items() if key != "layouts"}}
+    if len(args.capture_batches) > 1 and not args.skip_extract:
+        print("\n| layout | capture batch | extract tokens/s | x the first batch | prefills | requests a prefill | "
+              "ms a prefill | prefilling | idle |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for row in rows:
+            for ext in row["extract_batches"]:
+                print(f"| {row['layout']} | {ext['max_batch_size'] or '-'} | {ext['tokens_per_s']:,.0f} | "
+                      f"{ext['tokens_per_s'] / row['extract_batches'][0]['tokens_per_s']:.2f} | {ext['prefills']:,} | "
+                      f"{ext['mean_prefill_batch']:.1f} | {ms(ext['prefill_ms'])} | {ext['prefill_share']:.0%} | "
+                      f"{ext['idle_share']:.0%} |")
     print(json.dumps(result, indent=1))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

@@ -32,7 +32,7 @@ def test_one_process_against_two_replicas_side_by_side(tiny_model_dir, tmp_path)
         [sys.executable, str(ROOT / "bench" / "replicas.py"), "--model-path", str(tiny_model_dir), "--dataset",
          str(dataset), "--work", str(tmp_path / "work"), "--device", "cpu", "--conversations", "12", "--layouts",
          "1x1,1x2", "--max-new-tokens", "6", "--batch", "8", "--regeneration-concurrency", "8",
-         "--extraction-concurrency", "4", "--json", str(result)],
+         "--extraction-concurrency", "4", "--capture-batches", "0,2", "--json", str(result)],
         capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads(result.read_text())["rows"]
@@ -53,5 +53,20 @@ def test_one_process_against_two_replicas_side_by_side(tiny_model_dir, tmp_path)
         assert len(row["regenerate"]["workers"]) == row["gpus"] * row["replicas_per_gpu"]
         # Every regenerated conversation extracted: the same stored tokens whichever server answered.
         assert row["extract"]["samples"] == 12 and row["extract"]["tokens"] == rows[0]["extract"]["tokens"]
+    # The extraction once per capture batch, side by side: the engine's default (8 on its own; per replica, the
+    # front's), then 2 a batch, split over the replicas; every prefill within its batch, the same stored tokens.
+    for row in rows:
+        default, two = row["extract_batches"]
+        assert row["extract"] == default and default["capture_batch"] is None and two["capture_batch"] == 2
+        per = row["replicas_per_gpu"]
+        for ext in (default, two):
+            assert ext["tokens"] == rows[0]["extract"]["tokens"] and ext["samples"] == 12, ext
+            # (the mean rounded to a tenth)
+            assert ext["prefills"] >= 1 and (ext["mean_prefill_batch"] + 0.05) * ext["prefills"] >= 12, ext
+            assert 0 < ext["prefill_share"] < 1 and 0 <= ext["idle_share"] < 1 and ext["prefill_ms"] > 0, ext
+        assert two["mean_prefill_batch"] <= 2 // per + 1e-6, two
+    assert rows[0]["extract_batches"][0]["max_batch_size"] == 8
+    assert rows[0]["extract_batches"][1]["max_batch_size"] == 2
+    assert "| 1x2 | 1 |" in done.stdout and "capture batch 2" in done.stdout
     assert rows[0]["regenerate"]["same_as_first"] == 12
     assert "| 1x2 | 2 |" in done.stdout
