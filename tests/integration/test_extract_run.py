@@ -579,6 +579,32 @@ def test_bad_records_are_skipped_with_reason_and_line_and_the_rest_stored(refere
         assert all(torch.equal(got[name], want[name]) for name in want), sample_id
 
 
+def test_a_plan_rendered_in_several_processes_stores_the_same_samples_and_skips_as_one(dataset, servers, tmp_path):
+    # The conversations rendered and tokenized in three forked processes (what a dataset of 512 records or more
+    # gets by itself on a host with the CPUs): the same skips, in the same order, and the same files, byte for byte.
+    bad_corpus(dataset, tmp_path / "mixed.jsonl")
+    runs = {}
+    for processes in ("1", "3"):
+        out = tmp_path / f"processes-{processes}"
+        result = run_cli(extract_command(tmp_path / "mixed.jsonl", out, servers["main"].url, "--max-length", "512",
+                                         "--overflow", "skip", "--max-skip-ratio", "0.5", "--render-processes",
+                                         processes, num_samples=100))
+        assert result.returncode == 0, result.stderr
+        # (the journal lists the samples as their requests finished, in any order)
+        runs[processes] = (manifest(out), {name: data for name, data in data_files(out).items()
+                                           if not name.endswith(".journal.jsonl")})
+    (one, one_files), (three, three_files) = runs["1"], runs["3"]
+    assert three["skipped"] == one["skipped"] and len(one["skipped"]) == 5
+    assert three["shards"] == one["shards"] and three["num_samples"] == one["num_samples"] == 10
+    assert three_files == one_files and len(one_files) >= 10
+
+
+def test_a_negative_render_processes_is_refused_naming_the_option(dataset, tmp_path):
+    result = run_cli(extract_command(dataset, tmp_path / "out", "http://127.0.0.1:9", "--render-processes", "-1"))
+    assert result.returncode == 2 and "--render-processes must not be negative" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_json_array_cut_off_in_its_last_record_stores_what_the_jsonl_run_stores(reference_run, dataset, servers,
                                                                                    tmp_path):
     # ShareGPT's shape: one pretty-printed array, cut off by a size limit inside its last record.

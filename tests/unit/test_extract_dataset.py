@@ -11,6 +11,7 @@ import codecs
 import hashlib
 import importlib.util
 import json
+import os
 import random
 import time
 import tracemalloc
@@ -692,3 +693,12 @@ def test_the_whole_real_sharegpt_file_reads_up_to_its_cut_off_last_record():
     assert counts["ok"] == 17_527
     assert counts["malformed_json"] == counts["undecodable_bytes"] == 0
     print(f"read the whole ShareGPT file in {elapsed:.1f} s: {dict(counts)}")
+
+
+def test_the_plan_renders_in_several_processes_only_for_a_large_dataset_or_when_asked():
+    from eagle3_pipeline.parts.job import READ_PARALLEL_MIN_RECORDS, READ_PROCESSES_MAX, read_processes
+
+    usable = len(os.sched_getaffinity(0))
+    assert read_processes(3, 10) == 3  # asked: as asked, whatever the size
+    assert read_processes(0, READ_PARALLEL_MIN_RECORDS - 1) == 1  # a small dataset: one process starts faster
+    assert read_processes(0, READ_PARALLEL_MIN_RECORDS) == read_processes(0, None) == min(READ_PROCESSES_MAX, usable)

@@ -436,3 +436,26 @@ def test_verify_catches_changed_token_counts(tmp_path):
     assert problems_of(tmp_path) == [f"{store.TOKEN_COUNTS_FILE}: missing or changed since the merge"]
     os.unlink(counts)
     assert problems_of(tmp_path) == [f"{store.TOKEN_COUNTS_FILE}: missing or changed since the merge"]
+
+
+def test_token_counts_over_many_files_match_a_count_of_every_file_whatever_the_batch(tmp_path, monkeypatch):
+    from collections import Counter
+
+    from safetensors.torch import save_file
+
+    vocab = 50
+    generator = torch.Generator().manual_seed(3)
+    expected, names = Counter(), []
+    for index in range(23):
+        length = 1 + index * 3
+        ids = torch.randint(0, vocab + 5, (length,), generator=generator, dtype=torch.int32)  # some beyond V
+        mask = (torch.rand(length, generator=generator) > 0.3).to(torch.uint8)
+        save_file({"input_ids": ids, "loss_mask": mask}, str(tmp_path / f"s{index}.safetensors"))
+        names.append(f"s{index}.safetensors")
+        expected.update(int(t) for t, m in zip(ids, mask) if m and t < vocab)
+    want = torch.tensor([expected[t] for t in range(vocab)], dtype=torch.int64)
+    for batch in (1, 7, 1 << 20):  # a bincount per file, per few files, and one for all
+        monkeypatch.setattr(store, "COUNT_BATCH_TOKENS", batch)
+        got = store.count_tokens(tmp_path, names, vocab)
+        assert got.dtype == torch.int64 and torch.equal(got, want), batch
+    assert torch.equal(store.count_tokens(tmp_path, [], vocab), torch.zeros(vocab, dtype=torch.int64))

@@ -88,6 +88,7 @@ class ExtractConfig(PartConfig):
     max_skip_ratio: float = 0.05
     capture_wait_s: float = 60.0
     storage_dtype: str = AUTO_STORAGE  # bfloat16: as captured; float8_e4m3; auto (resolve_storage_dtype)
+    render_processes: int = 0  # processes rendering the plan's conversations (0: part_job.read_processes decides)
 
 
 @dataclass
@@ -242,7 +243,8 @@ def make_plan(cfg: ExtractConfig, client, dry: bool = False, facts=None) -> Plan
             sample_key(settings_hash, item.sample_id, ids_a, mask_a), ids_a, mask_a, item.id_generated, item.source,
         )
 
-    records, prepared, skipped = part_job.read_part(cfg, prepare)
+    records, prepared, skipped = part_job.read_part(
+        cfg, prepare, part_job.read_processes(cfg.render_processes, cfg.num_samples))
     journal, records_by_key = part_job.open_journal(cfg, "extracted", dry)
     done = {p.key: records_by_key[p.key] for p in prepared
             if store.stored_ok(cfg.output_dir, records_by_key.get(p.key))}
@@ -699,6 +701,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         "float8_e4m3 (half the bytes: per-token, per-layer scales; quantized by the engine's capture "
                         "writer) or auto (the default: float8_e4m3 for a bfloat16 or float16 target, as captured for "
                         "a float32 one; a rerun keeps what the dataset holds)")
+    parser.add_argument("--render-processes", type=int, default=0, metavar="N",
+                        help="processes that render and tokenize the conversations before anything is sent (0, the "
+                        f"default: up to {part_job.READ_PROCESSES_MAX} of the CPUs for a dataset of "
+                        f"{part_job.READ_PARALLEL_MIN_RECORDS} records or more, else 1)")
     parser.add_argument("--offline", action="store_true",
                         help="with --check: judge from the stored settings, without asking the server (the "
                         "server that would run: --model-path, --engine, --aux-layers)")
@@ -723,11 +729,13 @@ def config_from_args(args: argparse.Namespace) -> ExtractConfig:
         raise ValueError("--verify-positions, --verify-full-every and --verify-tolerance must not be negative")
     if not 0 <= args.max_skip_ratio <= 1:
         raise ValueError("--max-skip-ratio must be between 0 and 1")
+    if args.render_processes < 0:
+        raise ValueError("--render-processes must not be negative (0 lets the extraction choose)")
     return ExtractConfig(
         **part_job.config_fields(args, api_key), capture_dir=args.capture_dir, overflow=args.overflow,
         shard_size=args.shard_size, verify_positions=args.verify_positions, verify_full_every=args.verify_full_every,
         verify_tolerance=args.verify_tolerance, verify_device=args.verify_device, max_skip_ratio=args.max_skip_ratio,
-        storage_dtype=args.storage_dtype,
+        storage_dtype=args.storage_dtype, render_processes=args.render_processes,
     )
 
 

@@ -84,22 +84,102 @@ def skip_record(line: int, sample_id: str | None, reason: str, detail: str) -> d
     return {"line": line, "id": sample_id, "reason": reason, "detail": detail}
 
 
-def read_part(cfg: PartConfig, make: Callable[[object], object]) -> tuple[int, list, list[dict]]:
+# ``read_part`` in several processes: the most it starts by itself, the records a batch of work holds, and the
+# records below which one process does it all (a pool's start costs more than it saves).
+READ_PROCESSES_MAX = 8
+READ_CHUNK = 64
+READ_PARALLEL_MIN_RECORDS = 512
+_MAKE: Callable | None = None  # the ``make`` of the ``read_part`` whose processes are forked (inherited, not sent)
+
+
+def read_processes(requested: int, num_samples: int | None) -> int:
+    """How many processes ``read_part`` makes its items in: ``requested`` when positive; otherwise, for a dataset
+    not cut below ``READ_PARALLEL_MIN_RECORDS`` records, up to ``READ_PROCESSES_MAX`` of the CPUs this process may
+    use. One wherever processes cannot be forked."""
+    import multiprocessing  # noqa: PLC0415
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    if requested > 0:
+        return requested
+    if num_samples is not None and num_samples < READ_PARALLEL_MIN_RECORDS:
+        return 1
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(READ_PROCESSES_MAX, usable))
+
+
+def _make_chunk(chunk: list) -> list:
+    return [_MAKE(item) for item in chunk]
+
+
+def _made_in_processes(make: Callable, usable, processes: int):
+    """``make(item)`` of each of ``usable``'s items, in their order, in ``processes`` forked processes.
+
+    The forked processes inherit ``make`` (a tokenizer, a template: nothing is sent but the records and what
+    ``make`` returns), and at most two chunks a process are in hand at once, so a large dataset is never held
+    whole. The tokenizers library is told not to start threads of its own in them (forked after its threads ran,
+    it would warn and turn them off anyway)."""
+    import multiprocessing  # noqa: PLC0415
+    from collections import deque  # noqa: PLC0415
+    from concurrent.futures import ProcessPoolExecutor  # noqa: PLC0415
+    from concurrent.futures.process import BrokenProcessPool  # noqa: PLC0415
+    from itertools import islice  # noqa: PLC0415
+
+    global _MAKE  # noqa: PLW0603 - what the forked processes inherit
+    saved_make, saved_env = _MAKE, os.environ.get("TOKENIZERS_PARALLELISM")
+    _MAKE = make
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork")) as pool:
+            pending: deque = deque()
+            chunks = iter(lambda: list(islice(usable, READ_CHUNK)), [])
+            for chunk in chunks:
+                pending.append(pool.submit(_make_chunk, chunk))
+                if len(pending) >= 2 * processes:
+                    yield from pending.popleft().result()
+            while pending:
+                yield from pending.popleft().result()
+    except BrokenProcessPool as exc:  # a process killed (out of memory, say): nothing was done yet, nothing is lost
+        raise OSError(f"a process rendering the conversations died ({exc}); rerun with fewer processes "
+                      "(--render-processes 1 renders them in the command's own process)") from None
+    finally:
+        _MAKE = saved_make
+        if saved_env is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved_env
+
+
+def read_part(cfg: PartConfig, make: Callable[[object], object], processes: int = 1) -> tuple[int, list, list[dict]]:
     """(records of this part, their items, their skips): ``make(sample)`` turns a usable record into
-    an item, or into a skip (a dict from ``skip_record``) when the stage cannot use it."""
+    an item, or into a skip (a dict from ``skip_record``) when the stage cannot use it.
+
+    ``processes`` above 1 (``read_processes``) makes the items in that many forked processes: rendering and
+    tokenizing a conversation takes Python a few milliseconds, so the plan of a large dataset takes minutes in one
+    process. The result is the same, in the same order."""
     from eagle3_pipeline.conversations.dataset import Skip, read_dataset  # noqa: PLC0415
 
     index, count = cfg.part
     records, items, skipped = 0, [], []
-    for item in read_dataset(cfg.dataset, cfg.num_samples):
-        if item.ordinal % count != index:
-            continue
-        records += 1
-        if isinstance(item, Skip):
-            skipped.append(skip_record(item.line, item.sample_id, item.reason, item.detail))
-            continue
-        made = make(item)
-        (skipped if isinstance(made, dict) else items).append(made)
+    order: list[dict | None] = []  # the reader's skips in place, None where a made item or skip comes
+
+    def usable():
+        nonlocal records
+        for item in read_dataset(cfg.dataset, cfg.num_samples):
+            if item.ordinal % count != index:
+                continue
+            records += 1
+            if isinstance(item, Skip):
+                order.append(skip_record(item.line, item.sample_id, item.reason, item.detail))
+                continue
+            order.append(None)
+            yield item
+
+    made = _made_in_processes(make, usable(), processes) if processes > 1 else map(make, usable())
+    made_in_order = iter(list(made))
+    for entry in order:
+        result = next(made_in_order) if entry is None else entry
+        (skipped if isinstance(result, dict) else items).append(result)
     return records, items, skipped
 
 
