@@ -703,8 +703,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         "a float32 one; a rerun keeps what the dataset holds)")
     parser.add_argument("--render-processes", type=int, default=0, metavar="N",
                         help="processes that render and tokenize the conversations before anything is sent (0, the "
-                        f"default: up to {part_job.READ_PROCESSES_MAX} of the CPUs for a dataset of "
-                        f"{part_job.READ_PARALLEL_MIN_RECORDS} records or more, else 1)")
+                        f"default: up to {part_job.READ_PROCESSES_MAX} of the CPUs, or 1 when --num-samples keeps "
+                        f"fewer than {part_job.READ_PARALLEL_MIN_RECORDS} records)")
     parser.add_argument("--offline", action="store_true",
                         help="with --check: judge from the stored settings, without asking the server (the "
                         "server that would run: --model-path, --engine, --aux-layers)")
