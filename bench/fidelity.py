@@ -29,7 +29,7 @@ tau), the ratios ours / SpecForge and regenerated / not, and writes ``--work/fid
 
     python3 bench/fidelity.py --gguf G --sharegpt S --work /var/tmp/fidelity            # on the GPU host
     python3 bench/fidelity.py --gguf G --sharegpt S --work W --device cpu --conversations 24 --heldout 8 \\
-        --max-new-tokens 24 --skip-specforge                                            # a dry run on a CPU
+        --max-new-tokens 24 --batch-tokens 1024 --skip-specforge                        # a dry run on a CPU
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ import sys
 import time
 from pathlib import Path
 
+import host_watch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -427,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--part1-skip-tags", default="",
                         help="tags part 1's site.yml skips (evaluate,report: its drafter is measured in part 2 anyway)")
     parser.add_argument("--fp32-prompts", type=int, default=32, help="held-out prompts of the float32 re-measurement")
+    parser.add_argument("--host-watch-s", type=float, default=15.0, metavar="S",
+                        help="sample the host (CPU, memory, disk, the GPU's processes) every S seconds into "
+                             "--work/host.jsonl (bench/host_watch.py); 0: not")
     args = parser.parse_args(argv)
     args.source = "original" if args.no_regeneration else "regenerated"
     args.skip_original = args.skip_original or args.no_regeneration
@@ -442,14 +446,28 @@ def main(argv: list[str] | None = None) -> int:
     results = json.loads(record_path.read_text()) if record_path.is_file() else {"times_s": {}}
     results["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     times = results["times_s"]
+    # The machine's own account beside the figures: a run slower than another on the same kind of machine says why.
+    results["host"] = host_watch.host_facts(args.work)
+    watch_path, watch_started, spans = args.work / "host.jsonl", time.time(), {}
+    if args.host_watch_s > 0:
+        host_watch.HostWatch(watch_path, args.host_watch_s).start()
 
     def keep() -> None:  # what is measured so far survives a stop
+        if args.host_watch_s > 0:
+            samples = host_watch.read_samples(watch_path)
+            results["host_watch"] = {"whole run": host_watch.summary(samples, since=watch_started),
+                                     **{name: host_watch.summary(samples, *span) for name, span in spans.items()}}
         record_path.write_text(json.dumps(results, indent=1))
 
     regenerated = args.work / args.source  # the first run's directory (with regeneration unless told otherwise)
     if args.part in ("1", "all"):
-        times[f"site.yml {'without' if args.no_regeneration else 'with'} regeneration"] = site(
-            args.work, args, not args.no_regeneration, env, args.part1_skip_tags)
+        began = time.time()
+        what = f"site.yml {'without' if args.no_regeneration else 'with'} regeneration"
+        try:
+            times[what] = site(args.work, args, not args.no_regeneration, env, args.part1_skip_tags)
+        finally:  # a failed site run keeps the host's account of it too
+            spans[what] = (began, time.time())
+            keep()
         for stage in ("regeneration/regeneration.json", f"{args.source}/evaluation/evaluation.json"):
             if (args.work / stage).is_file():
                 results[stage] = json.loads((args.work / stage).read_text())
@@ -605,6 +623,8 @@ def main(argv: list[str] | None = None) -> int:
     keep()
     for name, seconds in times.items():
         print(f"{name}: {seconds:.1f} s", flush=True)
+    for name, stats in results.get("host_watch", {}).items():
+        print(f"host, {name}: {host_watch.describe(stats)}", flush=True)
     for what, why in failed.items():
         print(f"FAILED: {what}: {why}", flush=True)
     print(f"written: {args.work / 'fidelity.json'}", flush=True)
