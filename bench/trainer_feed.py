@@ -16,6 +16,7 @@ step's figures and keeps its progress file. This benchmark measures both on one 
    batches of the trainer's first epoch, read and pinned beforehand, ``--warmup`` untimed steps then ``--steps``;
 4. **read**: ``load_batch`` + ``pinned`` of those batches, alone (what the prefetch thread does a step).
 
+``--feeds thread,inline,thread-switch-0.5ms`` runs the trainer once per way of getting its batches (``FEEDS``).
 Printed: tokens/s and ms a step of each, the ratio trainer / bare step (1.00: the loop costs nothing over its
 step) and the read's ms a batch. The shape defaults to SmolLM2-135M's drafter (``--shape smollm2``).
 
@@ -26,6 +27,7 @@ step) and the read's ms a batch. The shape defaults to SmolLM2-135M's drafter (`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -42,6 +44,7 @@ from safetensors.torch import save_file  # noqa: E402
 from training import SHAPES, TINY, run_ours  # noqa: E402
 
 from eagle3_pipeline.extract import store  # noqa: E402
+from eagle3_pipeline.train import trainer as trainer_module  # noqa: E402
 from eagle3_pipeline.train.data import load_batch, open_dataset, pack  # noqa: E402
 from eagle3_pipeline.train.step import DEFAULT_MLP_RECOMPUTE  # noqa: E402
 from eagle3_pipeline.train.trainer import METRICS_FILE, TrainConfig, train  # noqa: E402
@@ -117,14 +120,42 @@ def dataset(args: argparse.Namespace, shape) -> tuple[Path, Path]:
     return target, data
 
 
-def run_trainer(args: argparse.Namespace, target: Path, data: Path, out: Path) -> dict:
-    """The trainer for ``warmup + steps`` steps; its steady tokens/s from its own metrics."""
+# How the trainer gets its batches (``--feeds``): as it does (``thread``: read ahead in a thread, pinned there),
+# read in the main thread between the steps (``inline``), or read ahead with the interpreter switching threads
+# every 0.5 ms instead of Python's 5 ms (``thread-switch-0.5ms``). If the reader's thread holding the interpreter
+# lock is what slows the step's launches, ``inline`` and the short switch interval gain on ``thread``.
+FEEDS = ("thread", "inline", "thread-switch-0.5ms")
+
+
+def _inline(stream, depth: int = 2, pin: bool = False):
+    for state, batch in stream:
+        yield state, batch.pinned() if pin else batch
+
+
+@contextlib.contextmanager
+def feed(name: str):
+    """The trainer's batch feed set to ``name`` (one of ``FEEDS``) for the duration."""
+    prefetch, interval = trainer_module.prefetch, sys.getswitchinterval()
+    if name == "inline":
+        trainer_module.prefetch = _inline
+    elif name == "thread-switch-0.5ms":
+        sys.setswitchinterval(0.0005)
+    try:
+        yield
+    finally:
+        trainer_module.prefetch = prefetch
+        sys.setswitchinterval(interval)
+
+
+def run_trainer(args: argparse.Namespace, target: Path, data: Path, out: Path, feed_name: str = "thread") -> dict:
+    """The trainer for ``warmup + steps`` steps, fed by ``feed_name``; its steady tokens/s from its own metrics."""
     cfg = TrainConfig(data_dir=str(data), output_dir=str(out), target_model_path=str(target), epochs=args.epochs,
                       draft_vocab_size=SHAPE_CHOICES[args.shape].draft_vocab,
                       max_steps=args.warmup + args.steps, lr=args.lr, warmup_steps=20, batch_tokens=args.batch_tokens,
                       device=args.device, resume=False, tensorboard=False, charts=False, seed=1)
     started = time.perf_counter()
-    summary = train(cfg)
+    with feed(feed_name):
+        summary = train(cfg)
     wall = time.perf_counter() - started
     records = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines() if line.strip()]
     steps = [r for r in records if r.get("kind") == "train"]
@@ -134,7 +165,7 @@ def run_trainer(args: argparse.Namespace, target: Path, data: Path, out: Path) -
                          "warm-up ones; raise --steps or --epochs")
     seconds = sum(r["tokens"] / r["tokens_per_s"] for r in timed)
     tokens = sum(r["tokens"] for r in timed)
-    return {"impl": "trainer", "steps": len(timed), "tokens_per_s": tokens / seconds,
+    return {"impl": f"trainer ({feed_name})", "feed": feed_name, "steps": len(timed), "tokens_per_s": tokens / seconds,
             "step_ms": 1000 * seconds / len(timed),
             "step_ms_median": 1000 * statistics.median(r["tokens"] / r["tokens_per_s"] for r in timed),
             "tokens_per_step": tokens / len(timed), "wall_s": wall, "steps_logged": len(steps),
@@ -167,18 +198,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=150, help="timed steps of each")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (compilation happens there)")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--feeds", default="thread", help=f"comma-separated, of {', '.join(FEEDS)}: the trainer once "
+                        "with each way of getting its batches (the first is the ratio's)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
+    feeds = [name.strip() for name in args.feeds.split(",") if name.strip()]
+    if not feeds or any(name not in FEEDS for name in feeds):
+        parser.error(f"--feeds {args.feeds!r}: each of {', '.join(FEEDS)}")
     shape = SHAPE_CHOICES[args.shape]
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as scratch:
         args.dir = args.dir or Path(scratch)
         args.dir.mkdir(parents=True, exist_ok=True)
         target, data = dataset(args, shape)
-        trainer = run_trainer(args, target, data, args.dir / "training")
-        print(f"trainer    {trainer['tokens_per_s']:>10,.0f} tokens/s  {trainer['step_ms']:7.1f} ms a step (median "
-              f"{trainer['step_ms_median']:.1f}) over {trainer['steps']} steps of {trainer['tokens_per_step']:,.0f} "
-              f"tokens", flush=True)
+        trainers = []
+        for name in feeds:
+            trainers.append(run_trainer(args, target, data, args.dir / f"training-{name}", name))
+            one = trainers[-1]
+            print(f"trainer, {name:<19} {one['tokens_per_s']:>10,.0f} tokens/s  {one['step_ms']:7.1f} ms a step "
+                  f"(median {one['step_ms_median']:.1f}) over {one['steps']} steps of {one['tokens_per_step']:,.0f} "
+                  "tokens", flush=True)
+        trainer = trainers[0]
         batches, read_s = epoch_batches(data, args, args.warmup + args.steps, pin=device.type == "cuda")
         options = argparse.Namespace(warmup=args.warmup, steps=args.steps, no_compile=False, profile=0)
         bare = run_ours(shape, batches, options, device, DEFAULT_MLP_RECOMPUTE, "auto")
@@ -189,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         print(f"trainer / bare step: {ratio:.2f}x tokens/s ({trainer['step_ms'] - bare['step_ms']:+.1f} ms a step)",
               flush=True)
-        result = {"trainer": trainer, "bare_step": bare, "read_ms_per_batch": 1000 * read_s,
+        for one in trainers[1:]:
+            print(f"trainer, {one['feed']} / {trainer['feed']}: {one['tokens_per_s'] / trainer['tokens_per_s']:.2f}x "
+                  "tokens/s", flush=True)
+        result = {"trainer": trainer, "trainers": trainers, "bare_step": bare, "read_ms_per_batch": 1000 * read_s,
                   "trainer_over_bare": ratio, "shape": args.shape, "batch_tokens": args.batch_tokens,
                   "samples": args.samples, "storage_dtype": args.storage_dtype, "device": str(device),
                   "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
