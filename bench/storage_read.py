@@ -34,27 +34,40 @@ RUN = {"dataset": {"name": "random", "sha256": "0" * 64, "num_samples_limit": No
 
 
 def write_dataset(out: Path, args: argparse.Namespace, storage_dtype: str | None) -> Path:
-    """A merged dataset of random bf16 states as the extraction stores them."""
-    settings = {"target_model_path": "random", "aux_layers": list(range(args.aux)), "hidden_size": args.hidden,
-                "num_hidden_layers": args.aux + 1, "vocab_size": 1000, "dtype": "bfloat16", "max_length": args.tokens,
-                "overflow": "truncate", "shard_size": args.samples}
+    """A merged dataset of ``args.samples`` random samples of ``args.tokens`` tokens each, as the extraction stores
+    them."""
+    return write_random_dataset(out, hidden=args.hidden, aux=args.aux, lengths=[args.tokens] * args.samples,
+                                storage_dtype=storage_dtype)
+
+
+def write_random_dataset(out: Path, *, hidden: int, aux: int, lengths: list[int], storage_dtype: str | None,
+                         target: str = "random", vocab: int = 1000, prompt_divisor: int | None = None,
+                         seed: int = 0) -> Path:
+    """A merged dataset of random bf16 states as the extraction stores them: one sample of each of ``lengths``
+    tokens (seeded by ``seed`` and its index), the first ``tokens // prompt_divisor`` of each out of the loss as a
+    prompt's would be (none without it), extracted from ``target`` with its ``vocab``."""
+    settings = {"target_model_path": target, "aux_layers": list(range(aux)), "hidden_size": hidden,
+                "num_hidden_layers": aux + 1, "vocab_size": vocab, "dtype": "bfloat16", "max_length": max(lengths),
+                "overflow": "truncate", "shard_size": len(lengths)}
     if storage_dtype:
         settings["storage_dtype"] = storage_dtype
     store.claim_settings(out, settings)
     samples = []
-    for index in range(args.samples):
-        generator = torch.Generator().manual_seed(index)
-        aux = torch.randn(args.tokens, args.aux * args.hidden, generator=generator).to(torch.bfloat16)
-        last = torch.randn(args.tokens, args.hidden, generator=generator).to(torch.bfloat16)
-        ids = torch.randint(0, 1000, (args.tokens,), generator=generator, dtype=torch.int32)
-        mask = torch.ones(args.tokens, dtype=torch.uint8)
-        file = f"{store.shard_dir_name(index, args.samples)}/s-{index}{store.SAMPLE_SUFFIX}"
-        size, sha = store.write_sample(out / file, ids, mask, aux, last, {"format": store.FORMAT, "id": f"s-{index}"},
-                                       storage_dtype)
+    for index, tokens in enumerate(lengths):
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+        aux_states = torch.randn(tokens, aux * hidden, generator=generator).to(torch.bfloat16)
+        last = torch.randn(tokens, hidden, generator=generator).to(torch.bfloat16)
+        ids = torch.randint(0, vocab, (tokens,), generator=generator, dtype=torch.int32)
+        mask = torch.ones(tokens, dtype=torch.uint8)
+        if prompt_divisor:
+            mask[: tokens // prompt_divisor] = 0
+        file = f"{store.shard_dir_name(index, len(lengths))}/s-{index}{store.SAMPLE_SUFFIX}"
+        size, sha = store.write_sample(out / file, ids, mask, aux_states, last,
+                                       {"format": store.FORMAT, "id": f"s-{index}"}, storage_dtype)
         samples.append({"key": str(index), "status": "ok", "ordinal": index, "line": index + 1, "id": f"s-{index}",
-                        "file": file, "tokens": args.tokens, "loss_tokens": args.tokens, "bytes": size,
+                        "file": file, "tokens": tokens, "loss_tokens": int(mask.sum()), "bytes": size,
                         "sha256": sha})
-    store.write_part_manifest(out, 0, 1, samples, [], [], args.samples, RUN)
+    store.write_part_manifest(out, 0, 1, samples, [], [], len(lengths), RUN)
     store.merge(out)
     return out
 

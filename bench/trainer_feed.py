@@ -41,17 +41,15 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
+from storage_read import write_random_dataset  # noqa: E402
 from training import SHAPES, TINY, run_ours  # noqa: E402
 
-from eagle3_pipeline.extract import store  # noqa: E402
 from eagle3_pipeline.train import trainer as trainer_module  # noqa: E402
 from eagle3_pipeline.train.data import load_batch, open_dataset, pack  # noqa: E402
 from eagle3_pipeline.train.step import DEFAULT_MLP_RECOMPUTE  # noqa: E402
 from eagle3_pipeline.train.trainer import METRICS_FILE, TrainConfig, train  # noqa: E402
 
 SHAPE_CHOICES = {**SHAPES, "tiny": TINY}
-RUN = {"dataset": {"name": "synthetic", "sha256": "0" * 64, "num_samples_limit": None},
-       "verification": {"positions": "all", "checks": []}}
 
 
 def make_target(path: Path, shape) -> Path:
@@ -73,33 +71,12 @@ def make_target(path: Path, shape) -> Path:
 
 
 def make_data(out: Path, target: Path, shape, args: argparse.Namespace) -> Path:
-    """A merged extraction of ``args.samples`` random samples, stored as ``args.storage_dtype``."""
-    storage_dtype = None if args.storage_dtype == "bfloat16" else args.storage_dtype
-    settings = {"target_model_path": str(target), "aux_layers": list(range(shape.n_aux)), "hidden_size": shape.hidden,
-                "num_hidden_layers": shape.n_aux + 1, "vocab_size": shape.vocab, "dtype": "bfloat16",
-                "max_length": args.max_tokens, "overflow": "truncate", "shard_size": 1000}
-    if storage_dtype:
-        settings["storage_dtype"] = storage_dtype
-    store.claim_settings(out, settings)
+    """A merged extraction of ``args.samples`` random samples of seeded lengths, stored as ``args.storage_dtype``."""
     lengths = torch.randint(args.min_tokens, args.max_tokens + 1, (args.samples,),
                             generator=torch.Generator().manual_seed(args.seed)).tolist()
-    samples = []
-    for index, tokens in enumerate(lengths):
-        generator = torch.Generator().manual_seed(args.seed * 1_000_003 + index)
-        aux = torch.randn(tokens, shape.n_aux * shape.hidden, generator=generator).to(torch.bfloat16)
-        last = torch.randn(tokens, shape.hidden, generator=generator).to(torch.bfloat16)
-        ids = torch.randint(0, shape.vocab, (tokens,), generator=generator, dtype=torch.int32)
-        mask = torch.ones(tokens, dtype=torch.uint8)
-        mask[: tokens // 3] = 0
-        file = f"{store.shard_dir_name(index, 1000)}/s-{index}{store.SAMPLE_SUFFIX}"
-        size, sha = store.write_sample(out / file, ids, mask, aux, last, {"format": store.FORMAT, "id": f"s-{index}"},
-                                       storage_dtype)
-        samples.append({"key": str(index), "status": "ok", "ordinal": index, "line": index + 1, "id": f"s-{index}",
-                        "file": file, "tokens": tokens, "loss_tokens": int(mask.sum()), "bytes": size,
-                        "sha256": sha})
-    store.write_part_manifest(out, 0, 1, samples, [], [], args.samples, RUN)
-    store.merge(out)
-    return out
+    return write_random_dataset(out, hidden=shape.hidden, aux=shape.n_aux, lengths=lengths,
+                                storage_dtype=None if args.storage_dtype == "bfloat16" else args.storage_dtype,
+                                target=str(target), vocab=shape.vocab, prompt_divisor=3, seed=args.seed)
 
 
 def dataset(args: argparse.Namespace, shape) -> tuple[Path, Path]:
